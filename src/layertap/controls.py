@@ -1,0 +1,98 @@
+"""Memory controls applied to each captured tensor inside the hook, before it is stored.
+
+``detach`` drops the autograd graph, ``reduce`` pools (on the layer's own device, so less is
+moved), ``dtype`` casts floating-point tensors, ``to`` moves. Integer and boolean leaves are
+only detached and moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Union
+
+import torch
+
+Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor], None]
+REDUCTIONS = ("mean", "max", "flatten", "cls")
+
+
+def _pool_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """All dims but batch and channel: channel is dim 1 for >= 4-D, the last dim for 3-D tokens."""
+    if t.dim() >= 4:
+        return tuple(range(2, t.dim()))
+    if t.dim() == 3:
+        return (1,)
+    return ()
+
+
+def _mean(t: torch.Tensor) -> torch.Tensor:
+    dims = _pool_dims(t)
+    return t.mean(dim=dims) if dims else t
+
+
+def _max(t: torch.Tensor) -> torch.Tensor:
+    dims = _pool_dims(t)
+    return t.amax(dim=dims) if dims else t
+
+
+def _flatten(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1) if t.dim() > 2 else t
+
+
+def _cls(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 3:
+        raise ValueError(
+            f"reduce='cls' takes token 0 of a [batch, tokens, dim] tensor, got shape {list(t.shape)}; "
+            "use reduce='mean' for feature maps"
+        )
+    return t[:, 0]
+
+
+def reducer(reduce: Reduce) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The function for a ``reduce=`` argument (``None`` for no reduction)."""
+    if reduce is None or callable(reduce):
+        return reduce
+    table = {"mean": _mean, "max": _max, "flatten": _flatten, "cls": _cls}
+    if reduce not in table:
+        raise ValueError(f"unknown reduce={reduce!r}: use one of {REDUCTIONS} or a callable")
+    return table[reduce]
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` live in the same storage (so an in-place op on one changes the other)."""
+    if a.device != b.device:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def make_transform(
+    *,
+    detach: bool = True,
+    to: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    reduce: Reduce = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One function applying the controls in the cheapest order: detach, reduce, cast, move.
+
+    A reduction that returns a view (``cls``) is copied, so that the small result does not keep
+    the whole activation alive.
+    """
+    pool = reducer(reduce)
+    device = torch.device(to) if to is not None else None
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        src = t
+        if detach:
+            t = t.detach()
+        floating = t.is_floating_point() or t.is_complex()
+        if pool is not None and floating:
+            t = pool(t)
+            if shares_memory(t, src):
+                t = t.clone()
+        if dtype is not None and floating:
+            t = t.to(dtype)
+        if device is not None:
+            t = t.to(device)
+        return t
+
+    return transform

@@ -1,0 +1,76 @@
+"""Which layer a failing forward died in, found from the traceback at no cost to a good forward.
+
+>>> import torch, layertap
+>>> from layertap.failures import explain_failures
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(5, 2))
+>>> with explain_failures(model):          # doctest: +ELLIPSIS
+...     model(torch.randn(3, 4))
+Traceback (most recent call last):
+layertap.errors.LayerForwardError: layer '1' (Linear) raised RuntimeError: ... inputs: [[3, 8]] (torch.float32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from . import nested
+from .errors import LayerForwardError, LayertapError
+from .select import named_layers
+
+_CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
+
+
+def locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple, dict] | None:
+    """The innermost layer of ``model`` whose call is on ``exc``'s traceback, with its inputs."""
+    names = {id(m): name for name, m in named_layers(model).items()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name in _CALL_FRAMES:
+            module = frame.f_locals.get("self")
+            if id(module) in names:
+                local = frame.f_locals
+                found = (names[id(module)], module, local.get("args", ()), local.get("kwargs", {}))
+        tb = tb.tb_next
+    return found
+
+
+def describe_inputs(args: tuple, kwargs: dict) -> str:
+    """Shapes and dtypes of a call's inputs, e.g. ``[[3, 8]] (torch.float32)``."""
+    shown: Any = list(nested.shapes(list(args)))
+    if kwargs:
+        shown = {"args": shown, "kwargs": nested.shapes(dict(kwargs))}
+    dtypes = sorted({str(t.dtype) for t in nested.tensors((args, kwargs))})
+    return f"{shown} ({', '.join(dtypes) or 'no tensors'})"
+
+
+@contextlib.contextmanager
+def explain_failures(model: nn.Module) -> Iterator[None]:
+    """Re-raise an exception from inside ``model`` as `LayerForwardError` naming the layer.
+
+    The original exception is chained (``raise ... from``), never swallowed.
+    """
+    try:
+        yield
+    except LayertapError:
+        raise
+    except Exception as exc:
+        found = locate(exc, model)
+        if found is None:
+            raise
+        name, module, args, kwargs = found
+        where = f"layer {name!r}" if name else "the model's own forward"
+        cls = type(module).__name__
+        raise LayerForwardError(
+            f"{where} ({cls}) raised {type(exc).__name__}: {exc}; its inputs: {describe_inputs(args, kwargs)}",
+            layer=name,
+            module_type=cls,
+        ) from exc
+
+
+__all__ = ["explain_failures", "locate", "describe_inputs"]
