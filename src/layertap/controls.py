@@ -40,12 +40,12 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cls(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() != 3:
+    if t.dim() > 3:
         raise ValueError(
             f"reduce='cls' takes token 0 of a [batch, tokens, dim] tensor, got shape {list(t.shape)}; "
             "use reduce='mean' for feature maps"
         )
-    return t[:, 0]
+    return t[:, 0] if t.dim() == 3 else t  # 2-D leaves (a pooler output) are already one vector
 
 
 def reducer(reduce: Reduce) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -58,8 +58,13 @@ class _StopForward(Exception):
         self.tap = tap
 
 
-class _Slot(NamedTuple):
-    index: int
+class _Slot:
+    """Where a tensor stood in a nested value (a plain class: pytree would open a tuple)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 class _Grads:
@@ -227,11 +232,13 @@ class Tap(Mapping):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             index = self._next_call(name) if only_inputs else self._peek_call(name)
             changed = None
+            single = len(args) == 1 and not kwargs
+            value = args[0] if single else Inputs(args, kwargs)
             if want_grad:
-                args, kwargs = self._watch_grads("grad_input", name, index, Inputs(args, kwargs))
-                changed = (args, kwargs)
+                value = self._watch_grads("grad_input", name, index, value)
+                changed = ((value,), {}) if single else (value.args, value.kwargs)
             if want_input:
-                self._record("input", name, index, args[0] if len(args) == 1 and not kwargs else Inputs(args, kwargs))
+                self._record("input", name, index, value)
             if only_inputs:
                 self._fire(name)
             return changed
@@ -341,10 +348,10 @@ class Tap(Mapping):
         layer = self._name(name)
         entries = self._stores[kind].entries.get(layer)
         if not entries:
-            when = "a backward reached it" if kind.startswith("grad") else "it ran"
+            when = "no backward reached it" if kind.startswith("grad") else "it did not run"
             raise LayerNotRunError(
                 f"layer {layer!r} is tapped but has no {kind} yet: nothing was recorded since the "
-                f"tap started (or since clear()) because no {when}. Check that the forward "
+                f"tap started (or since clear()) because {when}. Check that the forward "
                 f"{'and backward ' if kind.startswith('grad') else ''}went through this layer "
                 "(calling module.forward() directly bypasses hooks)"
             )
@@ -441,7 +448,7 @@ def _eager(model: nn.Module) -> Iterator[None]:
     try:
         for module in model.modules():
             state = module.__dict__
-            if isinstance(state.get("_orig_mod"), nn.Module) and "forward" in state:
+            if "_orig_mod" in module._modules and "forward" in state:
                 old_forward = state["forward"]
                 module.forward = module._orig_mod.__call__
                 undo.append(lambda m=module, f=old_forward: setattr(m, "forward", f))

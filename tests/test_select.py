@@ -1,0 +1,120 @@
+"""Layer selection: every spec kind, the unknown-name error, wrapper prefixes."""
+
+import re
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import layertap
+from layertap import LayerNotFoundError
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return torchvision.models.resnet18()
+
+
+def test_exact_names_in_named_modules_order(resnet):
+    names = layertap.select(resnet, ["layer4.1.conv2", "layer1.0.conv1"])
+    assert names == ["layer1.0.conv1", "layer4.1.conv2"]  # model order, not the order given
+
+
+def test_glob_star_stays_in_one_segment(resnet):
+    assert layertap.select(resnet, "layer*") == ["layer1", "layer2", "layer3", "layer4"]
+    got = layertap.select(resnet, "layer*.0.conv?")
+    want = [n for n, _ in resnet.named_modules() if re.fullmatch(r"layer\d\.0\.conv\d", n)]
+    assert got == want and len(got) == 8
+
+
+def test_glob_double_star_spans_segments(resnet):
+    got = layertap.select(resnet, "**.bn1")
+    want = [n for n, _ in resnet.named_modules() if n == "bn1" or n.endswith(".bn1")]
+    assert got == want
+    assert "bn1" in got  # '**.' also matches no leading segment
+    everything = layertap.select(resnet, "**")
+    assert everything == [n for n, _ in resnet.named_modules() if n]
+
+
+def test_regex_compiled_and_prefixed(resnet):
+    a = layertap.select(resnet, re.compile(r"layer[23]\.\d\.downsample\.0"))
+    b = layertap.select(resnet, r"re:layer[23]\.\d\.downsample\.0")
+    assert a == b == ["layer2.0.downsample.0", "layer3.0.downsample.0"]
+
+
+def test_class_spec_selects_every_instance(resnet):
+    got = layertap.select(resnet, nn.BatchNorm2d)
+    want = [n for n, m in resnet.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert got == want and len(got) == 20
+
+
+def test_predicate_spec(resnet):
+    got = layertap.select(resnet, lambda name, m: isinstance(m, nn.Conv2d) and m.stride == (2, 2))
+    want = [n for n, m in resnet.named_modules() if isinstance(m, nn.Conv2d) and m.stride == (2, 2)]
+    assert got == want and got
+
+
+def test_mixed_specs_are_deduplicated(resnet):
+    got = layertap.select(resnet, ["layer1.0.bn1", nn.BatchNorm2d, "**.bn1"])
+    assert len(got) == len(set(got)) == 20
+
+
+def test_root_only_by_exact_empty_name(resnet):
+    assert layertap.select(resnet, "") == [""]
+    assert "" not in layertap.select(resnet, "**")
+
+
+def test_unknown_name_lists_closest_names(resnet):
+    with pytest.raises(LayerNotFoundError) as err:
+        layertap.select(resnet, "layer4.1.conv3")
+    msg = str(err.value)
+    assert "'layer4.1.conv3' matches no layer" in msg
+    assert "layer4.1.conv2" in msg and "layer4.1.conv1" in msg
+    assert isinstance(err.value, KeyError)  # code catching KeyError keeps working
+
+
+def test_unknown_last_segment_suggests_same_leaf(resnet):
+    with pytest.raises(LayerNotFoundError, match=r"Closest names: bn1, layer4\.1\.bn1"):
+        layertap.select(resnet, "stem.bn1")
+
+
+def test_unmatched_class_and_pattern(resnet):
+    with pytest.raises(LayerNotFoundError, match="class LSTM.*Conv2d"):
+        layertap.select(resnet, nn.LSTM)
+    with pytest.raises(LayerNotFoundError, match="'layer9\\*'"):
+        layertap.select(resnet, ["layer1", "layer9*"])  # one bad spec fails the whole call
+
+
+def test_bad_spec_types(resnet):
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        layertap.select(resnet, int)
+    with pytest.raises(TypeError, match="cannot select layers"):
+        layertap.select(resnet, [3.5])
+    with pytest.raises(ValueError, match="no layers given"):
+        layertap.select(resnet, [])
+
+
+def test_dataparallel_prefix_resolves(resnet):
+    dp = nn.DataParallel(resnet)  # on CPU it just wraps: names gain 'module.'
+    assert layertap.select(dp, "layer4.1.conv2") == ["layer4.1.conv2"]
+    assert layertap.select(dp, "module.layer4.1.conv2") == ["layer4.1.conv2"]
+    assert layertap.select(dp, "layer*") == ["layer1", "layer2", "layer3", "layer4"]
+
+
+def test_compile_prefix_resolves_and_shared_module_keeps_first_name():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = self.a  # the same module at two paths
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Shared()
+    compiled = torch.compile(model)
+    assert layertap.select(compiled, "_orig_mod.a") == ["a"]
+    assert layertap.select(compiled, "a") == ["a"]
+    with pytest.raises(LayerNotFoundError):  # named_modules() reports a shared module once
+        layertap.select(model, "b")

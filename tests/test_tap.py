@@ -1,0 +1,537 @@
+"""The tap on small and real models: capture kinds, keep policies, controls, nesting, cleanup."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import hook_state
+from torch import nn
+
+import layertap
+from layertap import Inputs, LayerNotFoundError, LayerNotRunError, TapError
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+class Twice(nn.Module):
+    """One module called twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.block(x)))
+
+
+# ---------------------------------------------------------------- tutorial scenario (a)
+def test_mlp_records_fc1_every_forward_and_fc2_gradient():
+    model = MLP()
+    xs = [torch.randn(1, 784) for _ in range(3)]
+    with layertap.tap(model, "fc1", keep="all") as t1, layertap.tap(model, "fc2", capture="grad") as t2:
+        for x in xs:
+            y = model(x)
+        y.backward(torch.ones(1, 10))
+    assert len(t1["fc1"]) == 3
+    for got, x in zip(t1["fc1"], xs):
+        torch.testing.assert_close(got, x @ model.fc1.weight.T + model.fc1.bias)
+    torch.testing.assert_close(t2.grads["fc2"], torch.ones(1, 10))
+
+
+def test_gradient_at_fc1_equals_autograd():
+    model = MLP()
+    x = torch.randn(5, 784)
+    with layertap.tap(model, "fc1", capture=("output", "grad")) as t:
+        model(x).pow(2).sum().backward()
+    h = (x @ model.fc1.weight.T + model.fc1.bias).requires_grad_()
+    (ref,) = torch.autograd.grad(model.fc2(model.relu(h)).pow(2).sum(), h)
+    torch.testing.assert_close(t.grads["fc1"], ref)
+
+
+# ---------------------------------------------------------------- keep policies
+@pytest.mark.parametrize("keep", ["last", "first", "all"])
+def test_keep_policy_on_module_called_twice(keep):
+    model = Twice()
+    x = torch.randn(3, 4)
+    with layertap.tap(model, "block", capture=("input", "output", "grad"), keep=keep) as t:
+        model(x).sum().backward()
+    first = model.block(x)
+    second = model.block(first)
+    g_second = model.head.weight.sum(0).expand(3, 4)
+    g_first = g_second @ model.block.weight
+    want = {
+        "output": [first, second],
+        "input": [x, first],
+        "grad": [g_first, g_second],
+    }
+    for kind, pair in want.items():
+        got = getattr(t, kind + "s")["block"]
+        expected = {"first": pair[0], "last": pair[1], "all": pair}[keep]
+        torch.testing.assert_close(got, expected)
+
+
+def test_keep_all_accumulates_across_forwards_until_clear():
+    model = Twice()
+    with layertap.tap(model, "block", keep="all") as t:
+        model(torch.randn(1, 4))
+        model(torch.randn(1, 4))
+        assert len(t["block"]) == 4
+        t.clear()
+        model(torch.randn(1, 4))
+        assert len(t["block"]) == 2
+
+
+# ---------------------------------------------------------------- memory controls
+def test_detach_and_graph():
+    model = MLP()
+    x = torch.randn(2, 784)
+    with layertap.tap(model, "fc1") as t:
+        model(x)
+    assert not t["fc1"].requires_grad and t["fc1"].grad_fn is None
+    with layertap.tap(model, "fc1", detach=False) as t:
+        model(x)
+    assert t["fc1"].requires_grad
+    (g,) = torch.autograd.grad(t["fc1"].sum(), model.fc1.bias)
+    torch.testing.assert_close(g, torch.full((256,), 2.0))
+
+
+def test_dtype_and_device_move():
+    model = MLP()
+    x = torch.randn(2, 784)
+    with layertap.tap(model, ["fc1", "fc2"], dtype=torch.float16, to="meta") as t:
+        model(x)
+    assert t["fc1"].dtype == torch.float16 and t["fc1"].device.type == "meta"
+    with layertap.tap(model, "fc1", dtype=torch.bfloat16) as t:
+        model(x)
+    torch.testing.assert_close(t["fc1"], model.fc1(x).detach().bfloat16())
+
+
+def test_reductions_match_manual():
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Identity())
+    x = torch.randn(2, 3, 10, 10)
+    ref = conv[0](x).detach()
+    cases = {
+        "mean": ref.mean((2, 3)),
+        "max": ref.amax((2, 3)),
+        "flatten": ref.reshape(2, -1),
+        (lambda t: t[:, :2]): ref[:, :2],
+    }
+    for reduce, want in cases.items():
+        with layertap.tap(conv, "0", reduce=reduce) as t:
+            conv(x)
+        torch.testing.assert_close(t["0"], want)
+
+
+def test_token_reductions():
+    tokens = nn.Linear(6, 6)
+    x = torch.randn(2, 5, 6)  # [batch, tokens, dim]
+    ref = tokens(x).detach()
+    for reduce, want in {"mean": ref.mean(1), "cls": ref[:, 0], "max": ref.amax(1)}.items():
+        with layertap.tap(nn.Sequential(tokens), "0", reduce=reduce) as t:
+            t.model(x)
+        torch.testing.assert_close(t["0"], want)
+        assert t["0"].shape == (2, 6)
+    # cls keeps a copy of the token, not a view holding the whole activation
+    assert t["0"].untyped_storage().nbytes() == 2 * 6 * 4 or reduce != "cls"
+
+
+def test_cls_on_a_map_is_a_clear_error():
+    with pytest.raises(ValueError, match="reduce='cls'.*reduce='mean'"):
+        with layertap.tap(nn.Sequential(nn.Conv2d(1, 2, 1)), "0", reduce="cls") as t:
+            t.model(torch.randn(1, 1, 4, 4))
+
+
+def test_unknown_options_are_clear_errors():
+    model = MLP()
+    with pytest.raises(ValueError, match="unknown reduce"):
+        layertap.tap(model, "fc1", reduce="median")
+    with pytest.raises(ValueError, match="unknown capture"):
+        layertap.tap(model, "fc1", capture="outputs")
+    with pytest.raises(ValueError, match="unknown keep"):
+        layertap.tap(model, "fc1", keep="every")
+
+
+# ---------------------------------------------------------------- nested outputs
+@dataclasses.dataclass
+class Pair:
+    left: torch.Tensor
+    right: torch.Tensor
+    tag: str = "pair"
+
+
+class Nested(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        a, b = self.lin(x), self.lin(x) * 2
+        idx = torch.arange(x.shape[0])
+        return {
+            "tuple": (a, b, idx),
+            "list": [a, [b]],
+            "dict": {"a": a, "b": b, "n": 3},
+            "dataclass": Pair(a, b),
+        }[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "dataclass"])
+def test_nested_outputs_keep_structure_and_controls_apply_to_each_leaf(kind):
+    model = nn.Sequential(Nested(kind))
+    x = torch.randn(3, 4)
+    with layertap.tap(model, "0", dtype=torch.float64, capture=("output", "grad")) as t:
+        out = model(x)
+        loss = sum(v.sum() for v in layertap.nested.tensors(out) if v.is_floating_point())
+        loss.backward()
+    got, grads = t["0"], t.grads["0"]
+    assert type(got) is type(out)
+    a = model[0].lin(x).detach().double()
+    leaves = layertap.nested.tensors(got)
+    torch.testing.assert_close(leaves[0], a)
+    torch.testing.assert_close(leaves[1], 2 * a)
+    assert all(v.dtype == torch.float64 for v in leaves if v.is_floating_point())
+    assert all(not v.requires_grad for v in leaves)
+    # integer leaves are kept, not cast; their gradient slot is None
+    if kind == "tuple":
+        assert got[2].dtype == torch.int64 and grads[2] is None
+    if kind == "dataclass":
+        assert got.tag == "pair"
+    floats = [g for g in layertap.nested.tensors(grads)]
+    assert all(torch.all(g == 1) for g in floats)
+
+
+def test_hugging_face_model_output_structure():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    with layertap.tap(model, "", reduce="cls") as t:
+        out = model(input_ids=ids)
+    got = t[""]
+    assert isinstance(got, transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions)
+    torch.testing.assert_close(got.last_hidden_state, out.last_hidden_state[:, 0])
+    torch.testing.assert_close(got.pooler_output, out.pooler_output)  # 2-D: cls is for 3-D only
+
+
+# ---------------------------------------------------------------- inputs
+class KwargModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x, scale=torch.tensor(3.0))
+
+
+class Inner(nn.Module):
+    def forward(self, x, scale=1.0):
+        return x * scale
+
+
+def test_input_capture_positional_and_keyword():
+    model = KwargModel()
+    x = torch.randn(2, 3)
+    with layertap.tap(model, "inner", capture="input") as t:
+        model(x)
+    got = t.inputs["inner"]
+    assert isinstance(got, Inputs)
+    torch.testing.assert_close(got.args[0], x)
+    torch.testing.assert_close(got.kwargs["scale"], torch.tensor(3.0))
+
+
+def test_input_of_in_place_relu_is_captured_before_it_is_overwritten():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    x = torch.randn(8, 4)
+    with layertap.tap(model, "1", capture=("input", "output")) as t:
+        model(x)
+    pre = model[0](x).detach()
+    torch.testing.assert_close(t.inputs["1"], pre)
+    assert (t.inputs["1"] < 0).any()
+    torch.testing.assert_close(t["1"], pre.clamp(min=0))
+
+
+def test_grad_input_of_first_layer_and_in_place_relu():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    x = torch.randn(6, 4)  # does not require grad: the tap still gives d score / d input
+    with layertap.tap(model, ["0", "1"], capture="grad_input") as t:
+        model(x).sum().backward()
+    xr = x.clone().requires_grad_()
+    h = model[0](xr)
+    hr = h.detach().requires_grad_()
+    score = model[2](F.relu(hr)).sum()
+    (gh,) = torch.autograd.grad(score, hr)
+    (gx,) = torch.autograd.grad(h, xr, gh)
+    torch.testing.assert_close(t.grad_inputs["1"], gh)
+    torch.testing.assert_close(t.grad_inputs["0"], gx)
+
+
+# ---------------------------------------------------------------- gradients
+def test_gradient_with_in_place_relu_after_the_layer_matches_split_reference():
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 64, 64)
+    target = ["layer3.1.bn2", "layer1.0.bn1"]  # both followed by in-place ops
+    with layertap.tap(model, target, capture=("output", "grad")) as t:
+        model(x)[:, 3].sum().backward()
+    # reference: run layer3.1 by hand, cutting the graph after bn2
+    m = model
+    with torch.no_grad():
+        h = m.layer2(m.layer1(m.maxpool(m.relu(m.bn1(m.conv1(x))))))
+        h = m.layer3[0](h)
+    blk = m.layer3[1]
+    out = blk.relu(blk.bn1(blk.conv1(h)))
+    b2 = blk.bn2(blk.conv2(out)).detach().requires_grad_()
+    y = blk.relu(b2 + h)
+    score = m.fc(torch.flatten(m.avgpool(m.layer4(y)), 1))[:, 3].sum()
+    (ref,) = torch.autograd.grad(score, b2)
+    torch.testing.assert_close(t.grads["layer3.1.bn2"], ref)
+    torch.testing.assert_close(t["layer3.1.bn2"], b2.detach())
+    assert t.grads["layer1.0.bn1"].shape == (2, 64, 16, 16)
+
+
+def test_gradient_on_frozen_model_and_after_the_with_block():
+    model = MLP()
+    model.requires_grad_(False)
+    x = torch.randn(2, 784)
+    with layertap.tap(model, "fc1", capture="grad") as t:
+        y = model(x)
+    y.pow(2).sum().backward()  # the backward may happen after the tap is gone
+    h = (x @ model.fc1.weight.T + model.fc1.bias).requires_grad_()
+    (ref,) = torch.autograd.grad(model.fc2(model.relu(h)).pow(2).sum(), h)
+    torch.testing.assert_close(t.grads["fc1"], ref)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_gradients_under_no_grad_is_a_clear_error(ctx):
+    model = MLP()
+    with pytest.raises(TapError, match=r"no_grad\(\) or torch.inference_mode"):
+        with layertap.tap(model, "fc1", capture="grad"), ctx():
+            model(torch.randn(1, 784))
+    assert hook_state(model) == hook_state(MLP())
+
+
+def test_stop_early_with_gradients_is_refused():
+    with pytest.raises(TapError, match="stop_early"):
+        layertap.tap(MLP(), "fc1", capture="grad", stop_early=True)
+
+
+# ---------------------------------------------------------------- stop_early
+def test_stop_early_skips_the_rest_in_execution_order():
+    model = torchvision.models.resnet18().eval()
+    ran = []
+    handles = [
+        m.register_forward_pre_hook(lambda mod, a, n=n: ran.append(n))
+        for n, m in model.named_children()
+    ]
+    x = torch.randn(1, 3, 64, 64)
+    with layertap.tap(model, ["layer2", "layer1"], stop_early=True) as t:
+        model(x)
+        pytest.fail("the forward should have stopped")  # pragma: no cover
+    for h in handles:
+        h.remove()
+    assert ran == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2"]
+    with torch.no_grad():
+        ref = model.layer2(model.layer1(model.maxpool(model.relu(model.bn1(model.conv1(x))))))
+    torch.testing.assert_close(t["layer2"], ref)
+
+
+def test_stop_early_on_input_capture_stops_before_the_layer_runs():
+    model = MLP()
+    called = []
+    model.fc2.register_forward_hook(lambda *a: called.append(1))
+    with layertap.tap(model, "fc2", capture="input", stop_early=True) as t:
+        model(torch.randn(1, 784))
+    assert called == [] and t.inputs["fc2"].shape == (1, 256)
+
+
+def test_stop_early_works_forward_after_forward():
+    model = MLP()
+    with layertap.tap(model, "fc1", stop_early=True, keep="all") as t:
+        for _ in range(3):
+            with pytest.raises(Exception) as err:
+                model(torch.randn(1, 784))
+            assert type(err.value).__name__ == "_StopForward"
+    assert len(t["fc1"]) == 3
+
+
+# ---------------------------------------------------------------- edit
+def test_edit_ablates_a_channel_downstream():
+    model = MLP()
+    x = torch.randn(2, 784)
+
+    def ablate(name, out):
+        out = out.clone()
+        out[:, :10] = 0
+        return out
+
+    with layertap.tap(model, "fc1", edit=ablate) as t:
+        y = model(x)
+    h = model.fc1(x).detach()
+    h[:, :10] = 0
+    torch.testing.assert_close(y, model.fc2(model.relu(h)))
+    torch.testing.assert_close(t["fc1"], h)  # the captured value is what flowed downstream
+
+
+def test_edit_dict_patches_other_layer_and_none_means_unchanged():
+    model = MLP()
+    x = torch.randn(2, 784)
+    patched = torch.randn(2, 256)
+    seen = []
+    edits = {"fc1": lambda n, o: patched, "relu": lambda n, o: seen.append(n)}
+    with layertap.tap(model, "fc2", edit=edits) as t:
+        y = model(x)
+    torch.testing.assert_close(y, model.fc2(F.relu(patched)))
+    assert seen == ["relu"] and list(t) == ["fc2"]
+
+
+# ---------------------------------------------------------------- lifetime and errors
+def test_hooks_removed_after_exception_and_after_success():
+    model = torchvision.models.resnet18()
+    before = hook_state(model)
+    with pytest.raises(RuntimeError):
+        with layertap.tap(model, [nn.Conv2d, nn.BatchNorm2d], capture=("input", "output", "grad")):
+            model(torch.randn(2, 5, 64, 64))  # wrong channel count
+    assert hook_state(model) == before
+    with layertap.tap(model, "**", capture=("input", "output", "grad"), keep="all"):
+        model(torch.randn(2, 3, 64, 64)).sum().backward()
+    assert hook_state(model) == before
+
+
+def test_never_run_layer_raises_naming_it():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(2, 2)
+            self.unused = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Branchy()
+    with layertap.tap(model, ["used", "unused"], capture=("output", "grad")) as t:
+        model(torch.randn(1, 2))
+    assert list(t) == ["used"] and "unused" not in t
+    with pytest.raises(LayerNotRunError, match="'unused' is tapped but has no output"):
+        t["unused"]
+    with pytest.raises(LayerNotRunError, match="no grad yet.*no backward reached it"):
+        t.grads["used"]
+    with pytest.raises(LayerNotFoundError, match="matches no layer of the tap. Closest names: used"):
+        t["usde"]
+    with pytest.raises(TapError, match="capture='input' was not requested"):
+        t.inputs["used"]
+
+
+def test_nested_taps_on_the_same_model():
+    model = MLP()
+    x = torch.randn(2, 784)
+    before = hook_state(model)
+    with layertap.tap(model, "fc1", reduce=lambda t: t.amax(1)) as outer:
+        with layertap.tap(model, ["fc1", "fc2"]) as inner:
+            model(x)
+        assert hook_state(model) != before
+        model(x)
+    assert hook_state(model) == before
+    torch.testing.assert_close(outer["fc1"], inner["fc1"].amax(1))
+    with pytest.raises(TapError, match="already active"):
+        with outer:
+            with outer:
+                pass
+
+
+def test_dataparallel_wrapped_model():
+    model = MLP()
+    dp = nn.DataParallel(model)  # no GPU: DataParallel just calls the module
+    x = torch.randn(2, 784)
+    with layertap.tap(dp, "fc1") as t:
+        dp(x)
+    torch.testing.assert_close(t["fc1"], model.fc1(x).detach())
+    torch.testing.assert_close(t["module.fc1"], t["fc1"])
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_compiled_model_is_tapped_not_silently_ignored(how):
+    torch._dynamo.reset()
+    model = MLP()
+    x = torch.randn(2, 784)
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="eager")
+    else:
+        compiled = model
+        compiled.compile(backend="eager")
+    compiled(x)  # compiled once, without hooks
+    with layertap.tap(compiled, "fc1", capture=("output", "grad")) as t:
+        compiled(x).sum().backward()
+    torch.testing.assert_close(t["fc1"], model.fc1(x).detach())
+    assert t.grads["fc1"].shape == (2, 256)
+    # afterwards the compiled path is back
+    if how == "torch.compile":
+        assert compiled.forward is not model.__call__ and "forward" in compiled.__dict__
+    else:
+        assert model._compiled_call_impl is not None
+    torch.testing.assert_close(compiled(x), model.fc2(model.relu(model.fc1(x))))
+
+
+def test_stored_values_survive_later_in_place_ops_across_forwards():
+    """ResNet's Bottleneck: bn3's output gets `out += identity`; ReLUs are in place."""
+    model = torchvision.models.resnet50().eval()
+    layers = layertap.select(model, [nn.Conv2d, nn.BatchNorm2d])
+    xs = [torch.randn(1, 3, 48, 48) for _ in range(3)]
+    ref = {}
+
+    def clone_hook(name):
+        def hook(m, a, out):
+            ref[name] = out.detach().clone()
+
+        return hook
+
+    with torch.no_grad(), layertap.tap(model, layers) as t:
+        for x in xs:  # the 1st forward copies everything; later ones only what is changed in place
+            handles = [model.get_submodule(n).register_forward_hook(clone_hook(n)) for n in layers]
+            model(x)
+            for h in handles:
+                h.remove()
+            wrong = [n for n in layers if not torch.equal(t[n], ref[n])]
+            assert wrong == []
+    copied = sorted(n for (kind, n), copy in t._copy.items() if copy)
+    assert len(copied) == 49 and all(".bn" in n or n == "bn1" for n in copied)
+
+
+def test_value_changed_in_place_later_raises_instead_of_lying():
+    class Sometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.mutate = False
+
+        def forward(self, x):
+            out = self.lin(x)
+            if self.mutate:
+                out.mul_(0)
+            return out + 1
+
+    model = Sometimes()
+    with torch.no_grad(), layertap.tap(model, "lin") as t:
+        model(torch.randn(1, 3))  # learns: 'lin' is not changed in place
+        model(torch.randn(1, 3))
+        model.mutate = True
+        model(torch.randn(1, 3))
+        with pytest.raises(TapError, match="changed in place after it was captured"):
+            t["lin"]
+        x = torch.randn(1, 3)
+        model(x)  # copied from now on
+        torch.testing.assert_close(t["lin"], model.lin(x))
