@@ -18,7 +18,9 @@ How values are kept correct and cheap:
   such value and watches the original's version counter; later forwards copy only the layers whose
   activation really was changed in place, and keep a version guard on the others: reading a value
   that was changed after capture raises instead of returning wrong numbers. A reduction, cast or
-  device move already makes a fresh tensor, which is never copied again.
+  device move already makes a fresh tensor, which is never copied again. Tensors made under
+  ``torch.inference_mode()`` have no version counter, so there every shared value is copied:
+  run taps under ``torch.no_grad()`` for the cheaper path.
 """
 
 from __future__ import annotations
@@ -298,6 +300,8 @@ class Tap(Mapping):
             out = transform(t)
             if not shares_memory(out, t):
                 return out
+            if t.is_inference():  # no version counter to watch under inference_mode: copy
+                return out.clone()
             if copy is False:
                 guards.append((out, out._version))
                 return out

@@ -1,0 +1,161 @@
+"""The tap against its baselines on resnet50, batch 8, CPU: time ratios and correctness.
+
+Methods run interleaved in one process, round after round; the ratio of minimum times is
+reported (this noisy 2-core machine needs minima). Correctness counts, per method, the captured
+layers that differ from a trusted clone-in-the-hook reference.
+
+Run: python benchmarks/bench_tap.py [--rounds 15] [--batch 8] [--size 224]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torchvision
+from torch import nn
+from torchvision.models.feature_extraction import create_feature_extractor
+
+import layertap
+
+STAGES = ["layer1", "layer2", "layer3", "layer4"]
+
+
+def hand_hooks(model: nn.Module, names: list[str], clone: bool) -> tuple[dict, list]:
+    """The tutorial hook: store each output in a dict, with or without clone()."""
+    store: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in names:
+        def hook(m, args, out, name=name):
+            store[name] = out.detach().clone() if clone else out.detach()
+
+        handles.append(model.get_submodule(name).register_forward_hook(hook))
+    return store, handles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().eval()
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    convbn = layertap.select(model, [nn.Conv2d, nn.BatchNorm2d])
+
+    t0 = time.perf_counter()
+    fx_stages = create_feature_extractor(model, return_nodes=STAGES)
+    fx_trace_stages = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fx_layer2 = create_feature_extractor(model, return_nodes=["layer2"])
+    fx_trace_layer2 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fx_convbn = create_feature_extractor(model, return_nodes=convbn)
+    fx_trace_convbn = time.perf_counter() - t0
+
+    # taps kept open across batches, as in an extraction loop; setup is measured apart
+    taps = {
+        "stages": layertap.tap(model, STAGES),
+        "convbn": layertap.tap(model, convbn),
+        "convbn_mean": layertap.tap(model, convbn, reduce="mean"),
+        "layer2_stop": layertap.tap(model, "layer2", stop_early=True),
+    }
+
+    def run_tap(key: str, mode: Callable = torch.no_grad) -> Callable[[], dict]:
+        # no_grad, not inference_mode: inference tensors have no version counter, so under
+        # inference_mode the tap must copy every value that shares the network's memory
+        def run() -> dict:
+            with mode(), taps[key] as t:
+                model(x)
+            return t
+
+        return run
+
+    def inference(fn: Callable) -> Callable[[], object]:
+        def run() -> object:
+            with torch.inference_mode():
+                return fn()
+
+        return run
+
+    def run_hooks(names: list[str], clone: bool) -> Callable[[], dict]:
+        def run() -> dict:
+            store, handles = hand_hooks(model, names, clone)
+            model(x)
+            for h in handles:
+                h.remove()
+            return store
+
+        return run
+
+    def run_new_tap() -> dict:  # a fresh tap per batch: its first forward copies every value
+        with torch.no_grad(), layertap.tap(model, convbn) as t:
+            model(x)
+        return t
+
+    methods: dict[str, Callable[[], object]] = {
+        "plain forward (limit)": inference(lambda: model(x)),
+        "plain forward, no_grad": torch.no_grad()(lambda: model(x)),
+        "hand hooks, 4 stages, clone": inference(run_hooks(STAGES, True)),
+        "hand hooks, Conv+BN, no clone": inference(run_hooks(convbn, False)),
+        "hand hooks, Conv+BN, clone": inference(run_hooks(convbn, True)),
+        "FX extractor, 4 stages": inference(lambda: fx_stages(x)),
+        "FX extractor, Conv+BN": inference(lambda: fx_convbn(x)),
+        "FX truncated at layer2": inference(lambda: fx_layer2(x)),
+        "layertap (a) 4 stages": run_tap("stages"),
+        "layertap (b) Conv+BN raw": run_tap("convbn"),
+        "layertap (b) Conv+BN raw, under inference_mode": run_tap("convbn", torch.inference_mode),
+        "layertap (b) Conv+BN raw, new tap per batch": run_new_tap,
+        "layertap (c) Conv+BN reduce=mean": run_tap("convbn_mean"),
+        "layertap (d) layer2 stop_early": run_tap("layer2_stop"),
+    }
+    times = {name: [] for name in methods}
+    results: dict[str, object] = {}
+    for _ in range(args.rounds):
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+
+    with torch.no_grad():  # trusted reference for correctness: clone in the hook
+        ref, handles = hand_hooks(model, convbn, clone=True)
+        model(x)
+        for h in handles:
+            h.remove()
+
+    setup = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        with layertap.tap(model, convbn):
+            pass
+        setup.append(time.perf_counter() - t0)
+
+    def wrong(name: str) -> str:
+        got = results[name]
+        if name.startswith("plain") or "stages" in name or "layer2" in name:
+            return ""
+        keys = [n for n in convbn if n in got]
+        if "mean" in name:
+            bad = sum(not torch.allclose(got[n], ref[n].mean((2, 3)), atol=1e-5) for n in keys)
+        else:
+            bad = sum(not torch.equal(got[n], ref[n]) for n in keys)
+        return f"{bad}/{len(convbn)} wrong"
+
+    base = min(times["plain forward (limit)"])
+    print(f"resnet50, batch {args.batch}, {args.size}px, {args.rounds} rounds, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'method':48s} {'min s':>8s} {'ratio':>7s}  correctness")
+    for name in methods:
+        print(f"{name:48s} {min(times[name]):8.3f} {min(times[name]) / base:6.2f}x  {wrong(name)}")
+    fx2 = min(times["FX truncated at layer2"])
+    print(f"layertap (d) / FX truncated at layer2: {min(times['layertap (d) layer2 stop_early']) / fx2:.2f}x")
+    print(f"FX trace time: 4 stages {fx_trace_stages:.2f} s, layer2 {fx_trace_layer2:.2f} s, Conv+BN {fx_trace_convbn:.2f} s")
+    print(f"layertap setup+teardown for {len(convbn)} layers: {min(setup) * 1e3:.2f} ms (min of 20)")
+
+
+if __name__ == "__main__":
+    main()
