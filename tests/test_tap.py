@@ -535,3 +535,23 @@ def test_value_changed_in_place_later_raises_instead_of_lying():
         x = torch.randn(1, 3)
         model(x)  # copied from now on
         torch.testing.assert_close(t["lin"], model.lin(x))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel replicates only with >= 2 GPUs")
+def test_dataparallel_replicas_are_gathered_in_batch_order():
+    model = torchvision.models.resnet18().cuda().eval()
+    dp = nn.DataParallel(model, device_ids=[0, 1])
+    x = torch.randn(6, 3, 64, 64, device="cuda")
+    with torch.no_grad(), layertap.tap(dp, ["layer2", "fc"], capture=("input", "output")) as t:
+        dp(x)
+    with torch.no_grad(), layertap.tap(model, ["layer2", "fc"], capture=("input", "output")) as ref:
+        model(x)
+    for name in ("layer2", "fc"):
+        assert t[name].shape[0] == 6
+        torch.testing.assert_close(t[name], ref[name])
+        torch.testing.assert_close(t.inputs[name], ref.inputs[name])
+    with layertap.tap(dp, "layer4", capture="grad") as t:
+        dp(x).sum().backward()
+    with layertap.tap(model, "layer4", capture="grad") as ref:
+        model(x).sum().backward()
+    torch.testing.assert_close(t.grads["layer4"], ref.grads["layer4"])

@@ -82,6 +82,28 @@ class _Grads:
         return nested.map_leaves(lambda s: self.slots[s.index], self.skeleton, leaf=_Slot)
 
 
+class _Parts:
+    """One call's values from the replicas of ``nn.DataParallel``, gathered in batch order on read."""
+
+    __slots__ = ("slots", "device", "guards")
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.slots: list[Any] = [None] * size
+        self.device = device
+        self.guards: list = []
+
+    def value(self) -> Any:
+        parts = [p.value() if isinstance(p, _Grads) else p for p in self.slots if p is not None]
+        leaves = [nested.tensors(p) for p in parts]
+        position = itertools.count()
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            i = next(position)
+            return torch.cat([part[i].to(self.device) for part in leaves]) if t.dim() else t
+
+        return nested.map_leaves(gather, parts[0])
+
+
 class _Store:
     """The values of one kind per layer, under the keep policy, with their version guards."""
 
@@ -91,8 +113,13 @@ class _Store:
         # name -> [(call index, value, [(tensor, version), ...])], sorted by call index
         self.entries: dict[str, list[tuple[int, Any, list]]] = {}
 
-    def wants(self, name: str) -> bool:
-        return self.keep != "first" or name not in self.entries
+    def wants(self, name: str, index: int) -> bool:
+        kept = self.entries.get(name)
+        return self.keep != "first" or not kept or kept[0][0] == index
+
+    def find(self, name: str, index: int) -> Any:
+        """The value stored for call ``index`` (another replica's part of the same call)."""
+        return next((v for i, v, _ in self.entries.get(name, ()) if i == index), None)
 
     def put(self, name: str, index: int, value: Any, guards: list) -> None:
         kept = self.entries.get(name)
@@ -141,6 +168,14 @@ class Tap(Mapping):
             )
         self.model = model
         self.names: list[str] = select(model, layers)
+        # nn.DataParallel runs replicas of every module in threads, one per device; they share the
+        # hooks, so the tap gathers their parts in device (= batch) order
+        parallel = model if isinstance(model, nn.DataParallel) and model.device_ids else None
+        self._devices = [torch.device("cuda", d).index if isinstance(d, int) else torch.device(d).index
+                         for d in (parallel.device_ids if parallel else [])]
+        self._gather_device = torch.device("cuda", parallel.output_device) if parallel else None
+        if parallel and stop_early:
+            raise TapError("stop_early=True is not supported under nn.DataParallel: tap model.module, or drop stop_early")
         self.capture = kinds
         self.keep = keep
         self.stop_early = stop_early
@@ -232,15 +267,17 @@ class Tap(Mapping):
         only_inputs = not ({"output", "grad"} & set(self.capture))
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-            index = self._next_call(name) if only_inputs else self._peek_call(name)
             changed = None
             single = len(args) == 1 and not kwargs
             value = args[0] if single else Inputs(args, kwargs)
+            part = self._replica(module, name, value)
+            key = name if part is None else (name, part)
+            index = self._next_call(key) if only_inputs else self._calls.get(key, 0)
             if want_grad:
-                value = self._watch_grads("grad_input", name, index, value)
+                value = self._watch_grads("grad_input", name, index, value, part)
                 changed = ((value,), {}) if single else (value.args, value.kwargs)
             if want_input:
-                self._record("input", name, index, value)
+                self._record("input", name, index, value, part)
             if only_inputs:
                 self._fire(name)
             return changed
@@ -260,24 +297,39 @@ class Tap(Mapping):
                 if new is not None:
                     output = replaced = new
             if counts:
-                index = self._next_call(name)
+                part = self._replica(module, name, output)
+                index = self._next_call(name if part is None else (name, part))
                 if want_grad:
-                    output = replaced = self._watch_grads("grad", name, index, output)
+                    output = replaced = self._watch_grads("grad", name, index, output, part)
                 if want_output:
-                    self._record("output", name, index, output)
+                    self._record("output", name, index, output, part)
                 self._fire(name)
             return replaced
 
         return hook
 
-    def _next_call(self, name: str) -> int:
-        index = self._calls.get(name, 0)
-        self._calls[name] = index + 1
+    def _next_call(self, key: str | tuple[str, int]) -> int:
+        # the pre-hook reads the count without advancing it: the forward hook counts the call
+        index = self._calls.get(key, 0)
+        self._calls[key] = index + 1
         return index
 
-    def _peek_call(self, name: str) -> int:
-        # the pre-hook runs before the forward hook counts this call
-        return self._calls.get(name, 0)
+    def _replica(self, module: nn.Module, name: str, value: Any) -> int | None:
+        """The position of a DataParallel replica's device, or None for the model's own module."""
+        if not self._devices or module is self._layers[name]:
+            return None
+        first = nested.first_tensor(value)
+        return self._devices.index(first.get_device()) if first is not None else 0
+
+    def _put(self, store: _Store, name: str, index: int, value: Any, guards: list, part: int | None) -> None:
+        if part is not None:  # one replica's share of the batch
+            parts = store.find(name, index)
+            if not isinstance(parts, _Parts):
+                parts = _Parts(len(self._devices), self._gather_device)
+            parts.slots[part] = value
+            parts.guards.extend(guards)
+            value, guards = parts, parts.guards
+        store.put(name, index, value, guards)
 
     def _fire(self, name: str) -> None:
         if not self.stop_early:
@@ -287,9 +339,9 @@ class Tap(Mapping):
             self._fired.clear()
             raise _StopForward(self)
 
-    def _record(self, kind: str, name: str, index: int, value: Any) -> None:
+    def _record(self, kind: str, name: str, index: int, value: Any, part: int | None = None) -> None:
         store = self._stores[kind]
-        if not store.wants(name):
+        if not store.wants(name, index):
             return
         key = (kind, name)
         copy = self._copy.get(key)
@@ -309,9 +361,9 @@ class Tap(Mapping):
                 self._pending.append((key, t, t._version))
             return out.clone()
 
-        store.put(name, index, nested.map_leaves(keep, value), guards)
+        self._put(store, name, index, nested.map_leaves(keep, value), guards, part)
 
-    def _watch_grads(self, kind: str, name: str, index: int, value: Any) -> Any:
+    def _watch_grads(self, kind: str, name: str, index: int, value: Any, part: int | None = None) -> Any:
         """Register gradient hooks on the tensors of ``value``; returns it (maybe with new leaves)."""
         if not torch.is_grad_enabled():
             raise TapError(
@@ -319,7 +371,7 @@ class Tap(Mapping):
                 "torch.inference_mode(): run the forward without them"
             )
         store = self._stores[kind]
-        if not store.wants(name):
+        if not store.wants(name, index):
             return value
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
@@ -338,7 +390,7 @@ class Tap(Mapping):
 
             def on_grad(g: torch.Tensor) -> None:
                 grads.slots[i] = transform(g)
-                store.put(name, index, grads, [])
+                self._put(store, name, index, grads, [], part)
 
             t.register_hook(on_grad)
             return t
@@ -368,7 +420,7 @@ class Tap(Mapping):
                     "(a later in-place op in the forward) and is lost for that forward; layertap "
                     "copies it from now on: run the forward again"
                 )
-            values.append(value.value() if isinstance(value, _Grads) else value)
+            values.append(value.value() if isinstance(value, (_Grads, _Parts)) else value)
         return values if self.keep == "all" else values[0]
 
     def _name(self, name: str) -> str:
