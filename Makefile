@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/mlp_record.py
-	$(BIN)/python examples/batchnorm_inputs.py
-	$(BIN)/python examples/gradients_and_edit.py
+	$(BIN)/layertap demo --out layertap-demo
+
+examples: $(STAMP)
+	for e in examples/*.py; do $(BIN)/python $$e || exit 1; done
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

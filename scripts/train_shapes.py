@@ -76,7 +76,7 @@ def main() -> None:
     )
     print(f"ShapesCNN: {n_params} parameters; {args.epochs} epochs x {args.per_epoch} fresh images")
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for epoch in range(args.epochs):
         batch = generate(args.per_epoch, seed=TRAIN_SEED_BASE + epoch)
         x_all = preprocess(batch.images)
@@ -91,21 +91,21 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
-            total_loss += float(loss) * len(y)
+            total_loss += float(loss.detach()) * len(y)
             total_correct += float((logits.argmax(1) == y).sum())
         print(
             f"epoch {epoch + 1}/{args.epochs}: loss {total_loss / len(y_all):.4f} "
             f"train acc {total_correct / len(y_all):.4f} ({time.perf_counter() - t0:.0f}s)",
             flush=True,
         )
-    train_time = time.perf_counter() - t0
+    train_time, cpu_time = time.perf_counter() - t0, time.process_time() - cpu0
 
     model.eval()
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, args.out)
     acc, pointing = evaluate(model)
-    print(f"train time: {train_time:.1f}s")
+    print(f"train time: {train_time:.1f}s wall, {cpu_time:.1f}s CPU ({torch.get_num_threads()} threads)")
     print(f"test accuracy (generate(2000, seed={TEST_SEED})): {acc:.4f}")
     print(f"Grad-CAM pointing game (features.block4, predicted class): {pointing:.4f}")
     print(f"saved {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")

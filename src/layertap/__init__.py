@@ -15,19 +15,46 @@ from .errors import (
     MissingExtraError,
     TapError,
 )
+from . import cam
 from .features import FeatureExtractor, extract
+from .dataset import extract_dataset
+from .store import FeatureStore, StoreError, open_features
+from .overlay import overlay, overlay_grid
+from .loading import ModelInfo, load_model, model_info
 from .select import select
+from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
+from .stats import LayerStats, StatsTable, stats
+from .nonfinite import Report, find_nonfinite
+from .report import build_report
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "stats",
+    "StatsTable",
+    "LayerStats",
+    "find_nonfinite",
+    "build_report",
+    "Report",
     "tap",
     "Tap",
     "Inputs",
     "select",
     "extract",
     "FeatureExtractor",
+    "extract_dataset",
+    "open_features",
+    "FeatureStore",
+    "StoreError",
+    "summary",
+    "LayerTable",
+    "load_model",
+    "model_info",
+    "ModelInfo",
+    "cam",
+    "overlay",
+    "overlay_grid",
     "LayertapError",
     "LayerNotFoundError",
     "LayerNotRunError",

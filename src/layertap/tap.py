@@ -168,6 +168,7 @@ class Tap(Mapping):
             )
         self.model = model
         self.names: list[str] = select(model, layers)
+        self._tapped = frozenset(self.names)
         # nn.DataParallel runs replicas of every module in threads, one per device; they share the
         # hooks, so the tap gathers their parts in device (= batch) order
         parallel = model if isinstance(model, nn.DataParallel) and model.device_ids else None
@@ -425,7 +426,7 @@ class Tap(Mapping):
 
     def _name(self, name: str) -> str:
         layer = canonical_name(name)
-        if layer not in self.names:
+        if layer not in self._tapped:
             raise not_found(name, {n: self._layers[n] for n in self.names}, what="tap")
         return layer
 

@@ -38,12 +38,13 @@ def run(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
     try:
         result = app(args=argv, prog_name="layertap", standalone_mode=False)
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:
         return e.exit_code
-    except click.ClickException as e:  # usage errors: exit code 2
+    # usage errors: exit code 2 (newer typer raises its own copies of click's exceptions)
+    except (click.ClickException, getattr(typer, "TyperException", click.ClickException)) as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, typer.Abort):
         print("layertap: aborted", file=sys.stderr)
         return 1
     except Exception as e:  # one line, not a traceback, unless --debug
@@ -62,3 +63,8 @@ def main() -> None:
 
 # the commands register themselves on `app` when imported
 from . import inspect  # noqa: E402,F401
+from . import stats  # noqa: E402,F401
+from . import extract  # noqa: E402,F401
+from . import cam  # noqa: E402,F401
+from . import demo  # noqa: E402,F401
+from . import report  # noqa: E402,F401

@@ -55,12 +55,14 @@ class ShapesBatch:
         boxes: int64 array ``[N, 4]`` of ``(x0, y0, x1, y1)``, the tight
             bounding box of the shape's pixels (x1, y1 exclusive).
         classes: the class names.
+        masks: bool array ``[N, size, size]``, True on the shape's pixels.
     """
 
     images: np.ndarray
     labels: np.ndarray
     boxes: np.ndarray
     classes: tuple[str, ...] = CLASSES
+    masks: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -158,6 +160,11 @@ def _background(rng: np.random.Generator, n: int, size: int) -> np.ndarray:
     return bg
 
 
+def _column(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``values[idx]`` as float32 ``[k, 1, 1]`` for broadcasting over images."""
+    return values[idx].astype(np.float32)[:, None, None]
+
+
 def generate(n: int, seed: int = 0, size: int = 64) -> ShapesBatch:
     """Generate ``n`` RGB images, each with one shape on a textured background.
 
@@ -201,12 +208,11 @@ def generate(n: int, seed: int = 0, size: int = 64) -> ShapesBatch:
         idx = np.flatnonzero(labels == k)
         if idx.size == 0:
             continue
-        col = lambda a: a[idx].astype(np.float32)[:, None, None]  # noqa: E731
-        x = pix[None, None, :] - col(cx)
-        y = pix[None, :, None] - col(cy)
-        c, s = np.cos(col(theta)), np.sin(col(theta))
+        x = pix[None, None, :] - _column(cx, idx)
+        y = pix[None, :, None] - _column(cy, idx)
+        c, s = np.cos(_column(theta, idx)), np.sin(_column(theta, idx))
         u, v = c * x + s * y, c * y - s * x
-        masks[idx] = mask_fn(u, v, np.hypot(u, v), col(radius))
+        masks[idx] = mask_fn(u, v, np.hypot(u, v), _column(radius, idx))
 
     # Shape colour: the first random candidate far enough from the mean
     # background colour under the shape (or the farthest candidate).
@@ -234,7 +240,7 @@ def generate(n: int, seed: int = 0, size: int = 64) -> ShapesBatch:
     y0 = rows.argmax(axis=1)
     y1 = size - rows[:, ::-1].argmax(axis=1)
     boxes = np.stack([x0, y0, x1, y1], axis=1).astype(np.int64)
-    return ShapesBatch(images=images, labels=labels, boxes=boxes, classes=CLASSES)
+    return ShapesBatch(images=images, labels=labels, boxes=boxes, classes=CLASSES, masks=masks)
 
 
 # ------------------------------------------------------------------ preprocessing
@@ -260,7 +266,10 @@ def preprocess(images: Any) -> torch.Tensor:
         arr = arr[None]
     if arr.ndim != 4 or arr.shape[-1] != 3:
         raise ValueError(f"expected images [N, H, W, 3] or [H, W, 3], got shape {arr.shape}")
-    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2)
+    arr = np.ascontiguousarray(arr)
+    if not arr.flags.writeable:  # e.g. np.asarray(PIL image); torch wants writable memory
+        arr = arr.copy()
+    x = torch.from_numpy(arr).permute(0, 3, 1, 2)
     x = x.float().div_(255.0) if arr.dtype == np.uint8 else x.float()
     mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1)
     std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1)
@@ -282,7 +291,7 @@ class ShapesDataset(Dataset):
 
     ``image_tensor`` is ``preprocess(image)[0]`` (float ``[3, size, size]``).
     The raw data stays available as ``.images`` (uint8), ``.labels``,
-    ``.boxes`` and ``.classes``.
+    ``.boxes``, ``.masks`` and ``.classes``.
 
     Example:
         >>> ds = ShapesDataset(10, seed=3)
@@ -296,6 +305,7 @@ class ShapesDataset(Dataset):
         self.images = self.batch.images
         self.labels = self.batch.labels
         self.boxes = self.batch.boxes
+        self.masks = self.batch.masks
         self.classes = self.batch.classes
 
     def __len__(self) -> int:

@@ -53,12 +53,15 @@ class ShapesCNN(nn.Module):
         features.block1  conv3x3(3->24)   + BN + ReLU, maxpool  -> 24x32x32
         features.block2  conv3x3(24->48)  + BN + ReLU, maxpool  -> 48x16x16
         features.block3  conv3x3(48->96)  + BN + ReLU, maxpool  -> 96x8x8
-        features.block4  2x conv3x3(->128) + BN + ReLU          -> 128x8x8
+        features.block4  4x (conv3x3(->128) + BN + ReLU)        -> 128x8x8
         pool             global average pool                    -> 128
+        flatten
         classifier       linear(128 -> len(classes))
 
-    The last conv block keeps an 8x8 map, so Grad-CAM on ``features.block4``
-    localises the shape. All ReLUs are ``inplace=True``.
+    The last conv block keeps an 8x8 map and its receptive field (86 px)
+    covers a whole shape from any of its cells, so the strongest class
+    evidence sits inside the shape and Grad-CAM on ``features.block4``
+    localises it. All ReLUs are ``inplace=True``.
 
     Attributes:
         classes: class names, in output order.
@@ -80,15 +83,15 @@ class ShapesCNN(nn.Module):
                     ("block1", _block(3, w)),
                     ("block2", _block(w, 2 * w)),
                     ("block3", _block(2 * w, 4 * w)),
-                    ("block4", _block(4 * w, 128, n_convs=2, pool=False)),
+                    ("block4", _block(4 * w, 128, n_convs=4, pool=False)),
                 ]
             )
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten(1)
         self.classifier = nn.Linear(128, num_classes)
-        self.classes: tuple[str, ...] = CLASSES if num_classes == len(CLASSES) else tuple(
-            str(i) for i in range(num_classes)
+        self.classes: tuple[str, ...] = (
+            CLASSES if num_classes == len(CLASSES) else tuple(str(i) for i in range(num_classes))
         )
         self.input_size: tuple[int, int, int] = (3, 64, 64)
         self.mean: tuple[float, float, float] = MEAN

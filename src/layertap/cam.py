@@ -1,0 +1,718 @@
+"""Class-activation heatmaps: the Grad-CAM family on any model, batched, any activation layout.
+
+>>> import torch, torchvision, layertap
+>>> model = torchvision.models.resnet18().eval()
+>>> cam = layertap.cam.GradCAM(model, "layer4")
+>>> maps = cam(torch.randn(2, 3, 64, 64), targets=[3, 7])   # one class per image
+>>> tuple(maps.shape), bool(maps.min() >= 0), bool(maps.max() <= 1)
+((2, 64, 64), True, True)
+
+How it works, and the conventions it shares with pytorch-grad-cam (maps agree to 1e-5):
+
+- The forward runs without autograd up to the first chosen layer; there the graph starts (a fresh
+  leaf that requires grad), so the backward covers only the layers after it: a late layer costs
+  about one inference forward, not a training step.
+- Activations of any layout become ``[B, C, *grid]`` maps: channels-first maps (``[B, C, H, W]``,
+  1-D ``[B, C, L]``, 3-D ``[B, C, D, H, W]``), channels-last maps (Swin's ``[B, H, W, C]``) and
+  token sequences ``[B, T, D]`` whose patch grid is inferred from the input size, the first
+  ``T - h*w`` tokens being prefix tokens (class, distillation, register tokens). See `infer_layout`.
+- Each layer's map is ReLU'd, min-max normalised per image (``(m - min) / (max - min + 1e-7)``),
+  upsampled (bilinear, ``align_corners=False``, as ``cv2.resize``) to the input size; the layers'
+  maps are averaged and normalised again.
+- ``targets=None`` scores each image's top class; the scores of the batch are summed before the
+  backward, as pytorch-grad-cam does (images stay independent unless the model mixes them, e.g.
+  batch norm in ``train()`` mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import nested
+from .errors import LayertapError
+from .failures import explain_failures
+from .features import run_model
+from .select import Layers, select
+from .tap import tap
+
+Targets = int | Sequence[int] | torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+OutputPick = str | Callable[[Any], torch.Tensor] | None
+
+MAX_PREFIX_TOKENS = 32  # more prefix tokens than this are never guessed: pass prefix_tokens=
+_EPS = 1e-7  # pytorch-grad-cam's normalisation epsilon
+
+
+class LayoutError(LayertapError):
+    """A layer's activation cannot be read as a spatial or token map."""
+
+
+class ZeroGradientWarning(UserWarning):
+    """The score's gradient with respect to a chosen layer's map is all zero: the heatmap is blank."""
+
+
+# ---------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Layout:
+    """How an activation maps onto the input: ``kind``, spatial ``grid`` and prefix token count.
+
+    >>> Layout("tokens", (14, 14), prefix=1).maps(torch.zeros(2, 197, 768)).shape
+    torch.Size([2, 768, 14, 14])
+    """
+
+    kind: Literal["channels_first", "channels_last", "tokens"]
+    grid: tuple[int, ...]
+    prefix: int = 0
+
+    def maps(self, t: torch.Tensor) -> torch.Tensor:
+        """The activation (or its gradient) as ``[B, C, *grid]``."""
+        if self.kind == "channels_first":
+            return t
+        if self.kind == "channels_last":
+            return t.movedim(-1, 1)
+        return t[:, self.prefix :].transpose(1, 2).reshape(t.shape[0], t.shape[-1], *self.grid)
+
+    def prefix_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The prefix tokens of a token activation (empty for maps)."""
+        return t[:, : self.prefix] if self.kind == "tokens" else t[:, :0]
+
+    def __str__(self) -> str:
+        grid = "x".join(map(str, self.grid))
+        return f"{self.kind} {grid}" + (f" + {self.prefix} prefix tokens" if self.prefix else "")
+
+
+def _consistent(grid: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether ``grid`` can be a downscaled ``size``: scale factors agree within one cell per dim."""
+    if any(g < 1 or g > s for g, s in zip(grid, size)):
+        return False
+    frac = [g / s for g, s in zip(grid, size)]
+    return all(
+        abs(frac[i] - frac[j]) <= 1 / size[i] + 1 / size[j] for i, j in itertools.combinations(range(len(size)), 2)
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_grids(size: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every grid a patch embedding with an integer stride could give (floor, or ceil if padded)."""
+    grids = {
+        tuple(rnd(s, p) for s in size)
+        for p in range(1, max(size) + 1)
+        for rnd in (operator.floordiv, lambda s, p: -(-s // p))
+    }
+    return sorted(grids, key=math.prod, reverse=True)
+
+
+def infer_layout(
+    shape: Sequence[int],
+    size: Sequence[int],
+    *,
+    grid: Sequence[int] | None = None,
+    prefix_tokens: int | None = None,
+) -> Layout:
+    """Read an activation of ``shape`` (batch first) for an input of spatial ``size`` as a map.
+
+    Channels-first is tried first, then channels-last (both must be a plausible downscaling of
+    ``size``), then tokens ``[B, T, D]`` with the largest patch grid that fits in ``T``; the
+    remaining leading tokens are prefix tokens (at most `MAX_PREFIX_TOKENS` are guessed).
+    ``grid=`` and ``prefix_tokens=`` override the guesses.
+
+    >>> infer_layout([2, 7, 7, 768], [224, 224])          # Swin, channels-last
+    Layout(kind='channels_last', grid=(7, 7), prefix=0)
+    >>> infer_layout([2, 54, 384], [98, 98])               # DINOv2 with 4 registers, patch 14
+    Layout(kind='tokens', grid=(7, 7), prefix=5)
+    """
+    size = tuple(size)
+    rest = tuple(shape[1:])
+    d = len(size)
+    if grid is not None:
+        grid = tuple(int(g) for g in grid)
+        if len(grid) != d:
+            raise LayoutError(f"grid={grid} has {len(grid)} dims but the input has {d} spatial dims {size}")
+        if prefix_tokens is None and len(rest) == d + 1:
+            if rest[1:] == grid:
+                return Layout("channels_first", grid)
+            if rest[:-1] == grid:
+                return Layout("channels_last", grid)
+        prefix = rest[0] - math.prod(grid) if len(rest) == 2 else -1
+        if prefix >= 0 and prefix_tokens in (None, prefix):
+            return Layout("tokens", grid, prefix)
+        raise LayoutError(
+            f"grid={grid}{'' if prefix_tokens is None else f' with prefix_tokens={prefix_tokens}'} does not fit "
+            f"an activation of shape {list(shape)}: a map needs [B, C, *grid] or [B, *grid, C], tokens "
+            f"[B, prefix + {math.prod(grid)}, D]"
+        )
+    if prefix_tokens is None and len(rest) == d + 1:
+        if _consistent(rest[1:], size):
+            return Layout("channels_first", rest[1:])
+        if _consistent(rest[:-1], size):
+            return Layout("channels_last", rest[:-1])
+    if len(rest) == 2:
+        count = rest[0]
+        for g in _patch_grids(size):
+            prefix = count - math.prod(g)
+            wanted = prefix == prefix_tokens if prefix_tokens is not None else 0 <= prefix <= MAX_PREFIX_TOKENS
+            if wanted and prefix < math.prod(g):
+                return Layout("tokens", g, prefix)
+    hint = "grid=(h, w) and, for tokens, prefix_tokens=N" if d == 2 else "grid=..."
+    raise LayoutError(
+        f"cannot read an activation of shape {list(shape)} as a map of an input of spatial size {list(size)}: "
+        f"it is neither [B, C, *grid] nor [B, *grid, C] with a grid that downscales the input, nor "
+        f"[B, prefix + h*w, D] tokens with a patch grid (at most {MAX_PREFIX_TOKENS} prefix tokens). "
+        f"Pass {hint}, or choose another layer"
+    )
+
+
+# ---------------------------------------------------------------------------------- scoring
+def pick_logits(output: Any, pick: OutputPick = None) -> torch.Tensor:
+    """The tensor to score in a model's output: itself, ``.logits``/``["logits"]``, or the first tensor.
+
+    ``pick`` overrides: an attribute or key name, or a callable ``f(output) -> tensor``.
+    """
+    if callable(pick):
+        found = pick(output)
+    elif isinstance(pick, str):
+        found = output.get(pick) if isinstance(output, Mapping) else getattr(output, pick, None)
+    elif isinstance(output, torch.Tensor):
+        found = output
+    else:
+        found = getattr(output, "logits", None)
+        if found is None and isinstance(output, Mapping):
+            found = output.get("logits")
+        if not isinstance(found, torch.Tensor):
+            found = nested.first_tensor(output)
+    if not isinstance(found, torch.Tensor) or not found.is_floating_point():
+        raise LayertapError(
+            f"cannot find the scores to explain in the model output ({type(output).__name__}"
+            f"{'' if pick is None else f', output={pick!r}'}): pass output= as the attribute or key of the "
+            "logits, or a function output -> tensor [batch, classes]"
+        )
+    return found
+
+
+def resolve_targets(logits: torch.Tensor, targets: Targets) -> list[int] | Callable:
+    """One class index per image (``None``: each image's top class), or the callable as given."""
+    if callable(targets):
+        return targets
+    batch = logits.shape[0]
+    if logits.dim() < 2:
+        raise LayertapError(
+            f"the scored output has shape {list(logits.shape)}, with no class dim to index: pass "
+            "targets=f where f(output) -> one score per image"
+        )
+    classes = logits.shape[1]
+    if targets is None:
+        return _per_class(logits).argmax(1).tolist()
+    if isinstance(targets, torch.Tensor):
+        targets = targets.tolist()
+    if isinstance(targets, Sequence):
+        if len(targets) != batch:
+            raise LayertapError(f"got {len(targets)} targets for a batch of {batch}: give one class per image, or one int")
+        chosen = [operator.index(t) for t in targets]
+    else:
+        chosen = [operator.index(targets)] * batch
+    bad = [c for c in chosen if not 0 <= c < classes]
+    if bad:
+        raise LayertapError(f"target class {bad[0]} is out of range: the output has {classes} classes")
+    return chosen
+
+
+def _per_class(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, K, ...]`` outputs (segmentation) are scored by the class's sum over the other dims."""
+    return logits if logits.dim() == 2 else logits.flatten(2).sum(-1)
+
+
+def score(logits: torch.Tensor, targets: list[int] | Callable) -> torch.Tensor:
+    """One score per image: the target class's logit, or the callable's result."""
+    if callable(targets):
+        scores = targets(logits)
+        if not isinstance(scores, torch.Tensor) or scores.shape != logits.shape[:1]:
+            raise LayertapError(
+                f"targets(output) must return one score per image, shape [{logits.shape[0]}]; got "
+                f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}"
+            )
+        return scores
+    index = torch.as_tensor(targets, device=logits.device)
+    return _per_class(logits)[torch.arange(len(index), device=logits.device), index]
+
+
+# ---------------------------------------------------------------------------------- maps
+def _spatial(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(2, t.dim()))
+
+
+def normalize(maps: torch.Tensor) -> torch.Tensor:
+    """Per-image min-max normalisation of ``[B, *spatial]`` maps, pytorch-grad-cam's epsilon."""
+    flat = maps.flatten(1)
+    low = flat.amin(1).view(-1, *[1] * (maps.dim() - 1))
+    maps = maps - low
+    return maps / (_EPS + maps.flatten(1).amax(1).view_as(low))
+
+
+def upsample(maps: torch.Tensor, size: Sequence[int], align_corners: bool = False) -> torch.Tensor:
+    """Resize ``[B, C, *grid]`` to ``[B, C, *size]``, (bi/tri)linearly."""
+    mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[len(size)]
+    return F.interpolate(maps, size=tuple(size), mode=mode, align_corners=align_corners)
+
+
+class _Call(NamedTuple):
+    """What a method needs about the current call beyond the layer's maps."""
+
+    inputs: torch.Tensor
+    targets: list[int] | Callable
+
+
+class _Candidate(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    layout: Layout
+    map_grad: bool  # the gradient reaches the map part of the output (not only prefix tokens)
+    input_grad: bool  # ... of some input
+
+
+# ---------------------------------------------------------------------------------- the base
+class CAM:
+    """Base of the class-activation methods: ``Method(model, layer)(inputs, targets) -> [B, *size]``.
+
+    Args:
+        model: any ``nn.Module``; its mode (``train``/``eval``) and its parameters'
+            ``requires_grad`` are left as they are, and no hook stays behind.
+        layer: the layer(s) to explain (names, globs, classes... as `layertap.select`); several
+            layers' maps are averaged. ``None`` picks the last layer with a spatial or token map
+            through which the gradient reaches the score (a ViT's last ``norm1``, a ResNet's
+            ``layer4``; see `_default_layer`), at the first call, at the cost of one forward and
+            backward through the whole network; `layers` names it afterwards.
+        output: what to score in the model's output when it is not a tensor: an attribute/key
+            name or ``f(output) -> tensor``; default ``.logits`` or the first tensor.
+        grid, prefix_tokens: override the layout inference (`infer_layout`) for every layer.
+
+    Call with ``inputs`` ``[B, C, *spatial]`` (the model's single argument) and ``targets``:
+    ``None`` (top class per image), an int, one int per image, or ``f(output) -> Tensor[B]``
+    (rows must be scored independently: ScoreCAM calls it on masked copies). Returns maps in
+    ``[0, 1]`` of shape ``[B, *spatial]``, float32, on the input's device. After a call,
+    `logits` holds the scored output and `target_classes` the classes explained.
+    """
+
+    uses_gradients: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: Layers | None = None,
+        *,
+        output: OutputPick = None,
+        grid: Sequence[int] | None = None,
+        prefix_tokens: int | None = None,
+    ) -> None:
+        self.model = model
+        self.layers: list[str] | None = None if layer is None else select(model, layer)
+        self.output = output
+        self.grid = grid
+        self.prefix_tokens = prefix_tokens
+        self.layouts: dict[str, Layout] = {}
+        self.logits: torch.Tensor | None = None
+        self.target_classes: list[int] | None = None
+
+    def __repr__(self) -> str:
+        layers = "chosen at the first call" if self.layers is None else self.layers
+        return f"<layertap.cam.{type(self).__name__} layers={layers}>"
+
+    # -------------------------------------------------------------- the public call
+    def __call__(self, inputs: torch.Tensor, targets: Targets = None) -> torch.Tensor:
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 3:
+            raise LayertapError(
+                f"inputs must be one tensor [batch, channels, *spatial] (e.g. [B, 3, H, W]); got "
+                f"{list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__}"
+            )
+        if torch.is_inference_mode_enabled():
+            raise LayertapError("heatmaps need autograd: call the method outside torch.inference_mode()")
+        size = tuple(inputs.shape[2:])
+        if self.layers is None:
+            self.layers = [self._default_layer(inputs, targets)]
+        acts, grads, call = self._run(inputs, targets)
+        maps = []
+        with torch.autocast(inputs.device.type, enabled=False):
+            for name in self.layers:
+                layout = self._layout(name, acts[name].shape, size)
+                self.layouts[name] = layout
+                a = layout.maps(acts[name]).float()
+                g = None if grads is None else self._gradient(name, grads[name], acts[name], layout, inputs, targets)
+                raw = self._raw_map(a, g, call).clamp(min=0)
+                maps.append(upsample(normalize(raw)[:, None], size)[:, 0])
+            return normalize(torch.stack(maps).mean(0))
+
+    # -------------------------------------------------------------- what a method defines
+    def _raw_map(self, a: torch.Tensor, g: torch.Tensor | None, call: _Call) -> torch.Tensor:
+        """The layer's map ``[B, *grid]`` (before ReLU) from activation and gradient ``[B, C, *grid]``."""
+        weights = self._weights(a, g, call)
+        return (weights.view(*weights.shape, *[1] * (a.dim() - 2)) * a).sum(1)
+
+    def _weights(self, a: torch.Tensor, g: torch.Tensor | None, call: _Call) -> torch.Tensor:
+        """Channel weights ``[B, C]``, for the methods that weigh whole channels."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- running the model
+    def _layout(self, name: str, shape: Sequence[int], size: Sequence[int]) -> Layout:
+        try:
+            return infer_layout(shape, size, grid=self.grid, prefix_tokens=self.prefix_tokens)
+        except LayoutError as e:
+            raise LayoutError(f"layer {name!r}: {e}") from None
+
+    def _scores(self, output: Any, targets: Targets) -> tuple[torch.Tensor, list[int] | Callable]:
+        logits = pick_logits(output, self.output)
+        chosen = resolve_targets(logits, targets)
+        self.logits = logits.detach()
+        self.target_classes = None if callable(chosen) else chosen
+        return score(logits, chosen), chosen
+
+    def _run(self, inputs: torch.Tensor, targets: Targets) -> tuple[dict, dict | None, _Call]:
+        """Activations (and gradients) of the chosen layers, first tensor of each output."""
+        assert self.layers is not None
+        if not self.uses_gradients:
+            with explain_failures(self.model), torch.no_grad():
+                with tap(self.model, self.layers) as taps:
+                    output = run_model(self.model, inputs)
+                _, chosen = self._scores(output, targets)
+            acts = {name: _first_float(taps[name], name) for name in self.layers}
+            return acts, None, _Call(inputs, chosen)
+
+        sources: dict[str, torch.Tensor] = {}
+
+        def start_graph(name: str, out: Any) -> Any:
+            # the first chosen layer to run turns autograd on; its output becomes a fresh leaf,
+            # so the backward stops here. `no_grad` below restores the mode when the forward ends.
+            torch.set_grad_enabled(True)
+            t = _first_float(out, name)
+            sources[name] = t if t.requires_grad else t.detach().requires_grad_()
+            # downstream gets a copy: in-place ops after the layer (`out += identity`) may change
+            # it, never the value whose gradient we take (and a leaf cannot change in place)
+            return _replace_first(out, sources[name].clone())
+
+        with explain_failures(self.model), torch.no_grad(), tap(self.model, self.layers, edit=start_graph) as taps:
+            output = run_model(self.model, inputs)
+        with torch.enable_grad():
+            scores, chosen = self._scores(output, targets)
+        acts = {name: _first_float(taps[name], name) for name in self.layers}
+        wanted = [sources[name] for name in self.layers]
+        found = (
+            torch.autograd.grad(scores.sum(), wanted, allow_unused=True)
+            if scores.requires_grad
+            else [None] * len(wanted)
+        )
+        return acts, dict(zip(self.layers, found)), _Call(inputs, chosen)
+
+    # -------------------------------------------------------------- gradients and the default layer
+    def _gradient(
+        self,
+        name: str,
+        grad: torch.Tensor | None,
+        act: torch.Tensor,
+        layout: Layout,
+        inputs: torch.Tensor,
+        targets: Targets,
+    ) -> torch.Tensor:
+        """The gradient as ``[B, C, *grid]`` float32; warns when it is zero for some image."""
+        if grad is None:
+            grad = torch.zeros_like(act)
+        maps = layout.maps(grad).float()
+        dead = (maps.flatten(1) == 0).all(1)
+        if bool(dead.any()):
+            self._warn_zero(name, grad, layout, dead, inputs, targets)
+        return maps
+
+    def _warn_zero(
+        self,
+        name: str,
+        grad: torch.Tensor,
+        layout: Layout,
+        dead: torch.Tensor,
+        inputs: torch.Tensor,
+        targets: Targets,
+    ) -> None:
+        if layout.prefix_part(grad).ne(0).any():
+            why = (
+                "only its prefix (class/register) tokens reach the score: the layers after it treat "
+                "tokens one by one (LayerNorm, MLP) and the head reads the class token, so the patch "
+                "tokens get no gradient. Use a layer before the last attention"
+            )
+        elif bool(dead.all()) and grad.eq(0).all():
+            why = (
+                "the score does not depend on its output through differentiable operations after it (an "
+                "unused branch, a detach, argmax, dead ReLUs, or a head that reads a pooled output the "
+                "layer computed inside itself, as Hugging Face *Model wrappers do)"
+            )
+        else:
+            why = "the gradient vanishes there for these images (e.g. dead or saturated units after it)"
+        images = dead.nonzero().flatten().tolist()
+        which = "every image" if len(images) == len(dead) else f"images {images}"
+        try:
+            better = self._default_layer(inputs, targets)
+        except LayertapError:
+            better = name
+        instead = f"; layer {better!r} gets a gradient" if better != name else ""
+        warnings.warn(
+            f"the gradient of the score with respect to layer {name!r} ({layout}) is all zero for "
+            f"{which}, so its heatmap is blank: {why}{instead}",
+            ZeroGradientWarning,
+            stacklevel=4,
+        )
+
+    def _candidates(self, inputs: torch.Tensor, targets: Targets) -> list[_Candidate]:
+        """Every layer with a map, in the order its (last) call finished, with gradient reach."""
+        size = tuple(inputs.shape[2:])
+        finished: dict[str, int] = {}
+        order = itertools.count()
+
+        def note(name: str, out: Any) -> Any:
+            finished[name] = next(order)
+            t = next((t for t in nested.tensors(out) if t.is_floating_point()), None)
+            # a copy, watched instead of the tensor itself, gets only the gradient from uses after
+            # the layer returned (not from a pooled output the layer computed from it), as in `_run`
+            return None if t is None or not t.requires_grad else _replace_first(out, t.clone())
+
+        def nonzero(t: torch.Tensor) -> torch.Tensor:
+            # per position, over the batch: small, never a copy of the activation; floating, so
+            # that the first floating tensor is the same one `_run` would use
+            return t.ne(0).any(0).half()
+
+        def map_of(values: list, index: int | None) -> tuple[tuple[int, ...], Layout] | None:
+            if index is None or values[index] is None or values[index].dim() == 0:
+                return None
+            shape = (inputs.shape[0], *values[index].shape)
+            try:
+                layout = infer_layout(shape, size, grid=self.grid, prefix_tokens=self.prefix_tokens)
+            except LayoutError:
+                return None
+            return (shape, layout) if math.prod(layout.grid) > 1 else None
+
+        def reaches(values: list, index: int | None) -> bool:
+            found = map_of(values, index)
+            return found is not None and bool(found[1].maps(values[index][None]).any())
+
+        capture = ("output", "grad", "grad_input") if self.uses_gradients else ("output",)
+        grad_mode = torch.enable_grad() if self.uses_gradients else torch.no_grad()
+        x = inputs.detach().requires_grad_(self.uses_gradients and inputs.is_floating_point())
+        every = tap(self.model, lambda n, m: True, capture=capture, reduce=nonzero, edit=note)
+        with explain_failures(self.model), grad_mode, every as taps:
+            output = run_model(self.model, x)
+            if self.uses_gradients:
+                scores, _ = self._scores(output, targets)
+                if scores.requires_grad:
+                    torch.autograd.grad(scores.sum(), x, allow_unused=True)
+        found = []
+        for name in sorted(finished, key=finished.__getitem__):
+            outs = _leaves(taps.outputs[name])
+            first = next((i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+            spot = map_of(outs, first)
+            if spot is None:
+                continue
+            out_grad = _leaves(taps.grads[name]) if name in taps.grads else []
+            in_grad = _leaves(taps.grad_inputs[name]) if name in taps.grad_inputs else []
+            found.append(
+                _Candidate(
+                    name,
+                    *spot,
+                    map_grad=bool(out_grad) and reaches(out_grad, first),
+                    input_grad=any(reaches(in_grad, i) for i in range(len(in_grad))),
+                )
+            )
+        return found
+
+    def _default_layer(self, inputs: torch.Tensor, targets: Targets) -> str:
+        """The last map the gradient reaches, before the last step that gathers the map elsewhere.
+
+        A "gathering" layer is one whose input gets a map gradient but whose output map does not:
+        in a transformer, the last attention, where the class token reads the patches. The layer
+        chosen is the last one (of the final map's shape, if any) finishing before the innermost,
+        last such layer starts: e.g. a ViT's last ``norm1`` rather than a key/value projection. A
+        gathering layer with nothing reached before it (a wrapper whose head reads a pooled
+        output it computed itself) is skipped.
+        """
+        candidates = self._candidates(inputs, targets)
+        if not candidates:
+            raise LayoutError(
+                f"no layer of the model gives a spatial or token map for an input of size "
+                f"{list(inputs.shape[2:])}: pass layer= (and grid= if its layout cannot be inferred)"
+            )
+        last = candidates[-1]
+        if not self.uses_gradients:
+            return last.name
+        gathers = [c for c in candidates if c.input_grad and not c.map_grad]
+        innermost = [g for g in gathers if not any(o.name.startswith(g.name + ".") for o in gathers)]
+        reached = [c for c in candidates if c.map_grad]
+        for end in reversed(innermost):  # skip one that wraps all (a pooled output read by the head)
+            before = candidates[: candidates.index(end)]
+            pool = [c for c in reached if c in before and not c.name.startswith(end.name + ".")]
+            if pool:
+                reached = pool
+                break
+        if not reached:
+            raise LayertapError(
+                "the gradient of the score is zero at every layer with a spatial or token map, for these "
+                "inputs: check that the output depends on the input differentiably (a zero-initialised "
+                "head, such as torchvision's untrained ViT, gives zero gradients), or pass layer="
+            )
+        same = [c for c in reached if c.shape == last.shape]
+        return (same or reached)[-1].name
+
+
+def _leaves(obj: Any) -> list[Any]:
+    """Tensor (and ``None``) leaves in order: an output and its gradient structure align."""
+    found: list[Any] = []
+    nested.map_leaves(found.append, obj, leaf=(torch.Tensor, type(None)))
+    return found
+
+
+def _first_float(obj: Any, name: str) -> torch.Tensor:
+    t = next((t for t in nested.tensors(obj) if t.is_floating_point()), None)
+    if t is None:
+        raise LayertapError(
+            f"layer {name!r} outputs no floating-point tensor ({type(obj).__name__}), so it has no map "
+            "to explain: choose another layer"
+        )
+    return t
+
+
+def _replace_first(obj: Any, new: torch.Tensor) -> Any:
+    """``obj`` with its first floating-point tensor replaced by ``new``."""
+    done = False
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        nonlocal done
+        if done or not t.is_floating_point():
+            return t
+        done = True
+        return new
+
+    return nested.map_leaves(swap, obj)
+
+
+# ---------------------------------------------------------------------------------- the methods
+class GradCAM(CAM):
+    """Grad-CAM (Selvaraju et al. 2017): channels weighted by their mean gradient.
+
+    >>> import torch, torchvision
+    >>> maps = GradCAM(torchvision.models.resnet18().eval(), "layer4")(torch.randn(1, 3, 64, 64))
+    >>> maps.shape
+    torch.Size([1, 64, 64])
+    """
+
+    def _weights(self, a, g, call):
+        return g.mean(_spatial(g))
+
+
+class GradCAMPlusPlus(CAM):
+    """Grad-CAM++ (Chattopadhyay et al. 2018, eq. 19): positive gradients weighted per position."""
+
+    def _weights(self, a, g, call):
+        g2 = g.pow(2)
+        total = a.sum(_spatial(a), keepdim=True)
+        alpha = g2 / (2 * g2 + total * g2 * g + 1e-6)
+        alpha = torch.where(g != 0, alpha, torch.zeros_like(alpha))
+        return (g.clamp(min=0) * alpha).sum(_spatial(g))
+
+
+class XGradCAM(CAM):
+    """XGrad-CAM (Fu et al. 2020): gradients weighted by the normalised activation."""
+
+    def _weights(self, a, g, call):
+        return (g * a / (a.sum(_spatial(a), keepdim=True) + 1e-7)).sum(_spatial(a))
+
+
+class HiResCAM(CAM):
+    """HiResCAM (Draelos & Carin 2020): the element-wise product of gradient and activation."""
+
+    def _raw_map(self, a, g, call):
+        return (g * a).sum(1)
+
+
+class LayerCAM(CAM):
+    """LayerCAM (Jiang et al. 2021): activations weighted by their positive gradient, per position."""
+
+    def _raw_map(self, a, g, call):
+        return (g.clamp(min=0) * a).sum(1)
+
+
+class EigenCAM(CAM):
+    """Eigen-CAM (Muhammad & Yeasin 2020): the first principal component of the activations.
+
+    Gradient-free; ``targets`` only chooses what `logits`/`target_classes` report. SVD's sign is
+    arbitrary (pytorch-grad-cam keeps LAPACK's): here the component is oriented so that its
+    channel weights sum to a positive number, i.e. the map follows the overall activation.
+    """
+
+    uses_gradients = False
+
+    def _raw_map(self, a, g, call):
+        x = a.flatten(2).transpose(1, 2)  # [B, positions, C]
+        x = x - x.mean(1, keepdim=True)
+        _, _, vh = torch.linalg.svd(x, full_matrices=False)
+        v = vh[:, 0]
+        v = v * torch.where(v.sum(1, keepdim=True) < 0, -1.0, 1.0)
+        return (x @ v[..., None]).reshape(a.shape[0], *a.shape[2:])
+
+
+class ScoreCAM(CAM):
+    """Score-CAM (Wang et al. 2020): each channel weighted by the score of the input masked by it.
+
+    Gradient-free but costly: one forward per channel and image, ``batch_size`` at a time. As in
+    pytorch-grad-cam, each channel is upsampled with ``align_corners=True``, min-max scaled
+    (epsilon 1e-8) and multiplied into the input; the masked scores are softmaxed over channels.
+    """
+
+    uses_gradients = False
+
+    def __init__(self, model: nn.Module, layer: Layers | None = None, *, batch_size: int = 32, **options: Any) -> None:
+        super().__init__(model, layer, **options)
+        self.batch_size = batch_size
+
+    def _weights(self, a, g, call):
+        size = call.inputs.shape[2:]
+        scores = torch.empty(a.shape[:2])
+        with explain_failures(self.model), torch.no_grad():
+            for b, start in itertools.product(range(a.shape[0]), range(0, a.shape[1], self.batch_size)):
+                chunk = upsample(a[b : b + 1, start : start + self.batch_size], size, align_corners=True)[0]
+                low = chunk.flatten(1).amin(1).view(-1, *[1] * len(size))
+                high = chunk.flatten(1).amax(1).view_as(low)
+                masks = ((chunk - low) / (high - low + 1e-8))[:, None]
+                output = run_model(self.model, call.inputs[b : b + 1] * masks.to(call.inputs.dtype))
+                targets = call.targets if callable(call.targets) else [call.targets[b]] * len(masks)
+                scores[b, start : start + len(masks)] = score(pick_logits(output, self.output), targets).float().cpu()
+        return scores.softmax(-1).to(a.device)
+
+
+METHODS: dict[str, type[CAM]] = {
+    "gradcam": GradCAM,
+    "gradcam++": GradCAMPlusPlus,
+    "xgradcam": XGradCAM,
+    "hirescam": HiResCAM,
+    "layercam": LayerCAM,
+    "eigencam": EigenCAM,
+    "scorecam": ScoreCAM,
+}
+
+__all__ = [
+    "CAM",
+    "METHODS",
+    "EigenCAM",
+    "GradCAM",
+    "GradCAMPlusPlus",
+    "HiResCAM",
+    "LayerCAM",
+    "Layout",
+    "LayoutError",
+    "ScoreCAM",
+    "XGradCAM",
+    "ZeroGradientWarning",
+    "infer_layout",
+    "pick_logits",
+]

@@ -1,0 +1,182 @@
+"""``layertap cam``: class-activation heatmaps of images, as overlay PNGs and raw ``.npy`` maps."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cam import METHODS
+from ..errors import LayertapError, require
+from ..images import find_images, load_image
+from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
+from ..overlay import colorize, overlay
+from . import app, typer
+from .inspect import check_spec, parse_shape
+
+
+def _floats(text: str | None, option: str) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values:
+        raise typer.BadParameter(f"{text!r} is not a list of numbers: give e.g. 0.5,0.5,0.5", param_hint=option)
+    return values
+
+
+def _method(name: str) -> str:
+    if name.lower() not in METHODS:
+        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return name.lower()
+
+
+def _colormap(name: str) -> str:
+    try:
+        colorize(np.zeros((1, 1)), name)
+    except LayertapError as e:
+        raise typer.BadParameter(str(e)) from e
+    return name
+
+
+def _target(text: str | None, classes: list[str] | None) -> int | None:
+    """A class index, or a class name the model's weights know."""
+    if text is None:
+        return None
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if classes and text in classes:
+        return classes.index(text)
+    known = f"; class names: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}" if classes else ""
+    raise typer.BadParameter(f"--target {text!r} is neither a class index nor a class name of this model{known}")
+
+
+def safe_names(ids: list[str]) -> list[str]:
+    """File stems for image ids (relative paths), safe inside one folder and unique.
+
+    Path segments are joined by ``__`` (``.``, ``..`` and empty ones dropped), the extension is
+    removed and any character outside ``[A-Za-z0-9._-]`` becomes ``_``, so a name can never
+    leave the output folder nor be hidden; a clash (ignoring case) gets a numeric suffix.
+
+    >>> safe_names(["cats/001.jpg", "../x y.png", "cats__001.png"])
+    ['cats__001', 'x_y', 'cats__001-2']
+    """
+    names: list[str] = []
+    taken: set[str] = set()
+    for image_id in ids:
+        parts = [p for p in re.split(r"[\\/]+", image_id) if p not in ("", ".", "..")] or ["image"]
+        last = parts[-1]
+        if "." in last.lstrip("."):
+            parts[-1] = last.rsplit(".", 1)[0]
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", "__".join(parts)).lstrip(".") or "image"
+        name, n = stem, 1
+        while name.lower() in taken:
+            n += 1
+            name = f"{stem}-{n}"
+        taken.add(name.lower())
+        names.append(name)
+    return names
+
+
+def display_image(transform: Callable[[Any], torch.Tensor], image: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """The model's input ``tensor`` back in ``[0, 1]`` RGB, for drawing the heatmap on.
+
+    The preprocessing (resize, crop, per-channel normalisation) is undone without knowing it:
+    black and white images of the same size, through the same transform, give each channel's
+    offset and scale.
+    """
+    pil = require("PIL.Image", "vision")
+    black = transform(pil.new("RGB", image.size, (0, 0, 0))).mean((1, 2), keepdim=True)
+    white = transform(pil.new("RGB", image.size, (255, 255, 255))).mean((1, 2), keepdim=True)
+    scale = white - black
+    return ((tensor - black) / scale.where(scale != 0, torch.ones_like(scale))).clamp(0, 1)
+
+
+@app.command()
+def cam(
+    model: str = typer.Argument(
+        ...,
+        callback=check_spec,
+        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
+        "or layertap:shapes.",
+    ),
+    images: list[Path] = typer.Argument(..., exists=True, help="Image files or folders (searched recursively)."),
+    layer: list[str] | None = typer.Option(
+        None,
+        "--layer",
+        help="Layer(s) to explain (names, globs, 're:REGEX'); repeatable, maps averaged. Default: the last "
+        "layer with a map that the gradient reaches.",
+    ),
+    method: str = typer.Option("gradcam", "--method", callback=_method, help=f"One of: {', '.join(METHODS)}."),
+    target: str | None = typer.Option(
+        None, "--target", help="Class to explain (index or name) for every image. Default: each image's top class."
+    ),
+    out: Path = typer.Option(Path("heatmaps"), "--out", help="Folder for the overlay PNGs and .npy maps."),
+    alpha: float = typer.Option(0.5, "--alpha", min=0.0, max=1.0, help="Heatmap opacity in the overlay."),
+    colormap: str = typer.Option(
+        "jet", "--colormap", callback=_colormap, help="Colormap name (matplotlib's, or the built-in jet)."
+    ),
+    size: str | None = typer.Option(
+        None, "--size", callback=parse_shape, help="Override the input size H,W (resize and centre crop, as ImageNet)."
+    ),
+    mean: str | None = typer.Option(None, "--mean", help="Override the normalisation mean, e.g. 0.5,0.5,0.5."),
+    std: str | None = typer.Option(None, "--std", help="Override the normalisation std, e.g. 0.5,0.5,0.5."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Images per forward."),
+    device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda:0 (default: cpu)."),
+    arch: str | None = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
+    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+) -> None:
+    """Draw where MODEL looks when it classifies each image: one overlay PNG and one raw map (.npy) per image in --out, and the predicted class of each printed.
+
+    Preprocessing comes from the model's weights when known (torchvision weights, timm data config), else ImageNet normalisation at the model's input size; --size/--mean/--std override it.
+
+    Example: layertap cam layertap:shapes ./images --method gradcam --out heatmaps
+    """
+    mean_values, std_values = _floats(mean, "'--mean'"), _floats(std, "'--std'")
+    if size is not None and len(size) != 2:
+        raise typer.BadParameter("give the input size as H,W, e.g. 224,224", param_hint="'--size'")
+    net = load_model(model, arch=arch, trust=trust)
+    if device is not None:
+        net.to(device)
+    info = model_info(net)
+    transform = info.transform
+    if size is not None or mean_values is not None or std_values is not None:
+        # what is not overridden keeps the weights' statistics when the transform tells them
+        transform = ImageTransform(
+            (info.input_size[0], *(size or info.input_size[1:])),
+            tuple(mean_values or getattr(transform, "mean", None) or IMAGENET_MEAN),
+            tuple(std_values or getattr(transform, "std", None) or IMAGENET_STD),
+            crop=getattr(transform, "crop", True),
+        )
+    class_index = _target(target, info.classes)
+    found = [find_images(path) for path in images]
+    paths = [p for f in found for p in f.paths]
+    ids = [i for f in found for i in f.ids()]
+    out.mkdir(parents=True, exist_ok=True)
+    names = safe_names(ids)
+    explainer = METHODS[method](net, layer or None)
+    param = next(net.parameters(), None)
+    where = param.device if param is not None else torch.device("cpu")
+    for start in range(0, len(paths), batch_size):
+        chunk = range(start, min(start + batch_size, len(paths)))
+        pictures = [load_image(paths[i]) for i in chunk]
+        inputs = torch.stack([transform(p) for p in pictures])
+        maps = explainer(inputs.to(where), class_index)
+        probs = explainer.logits.float().softmax(-1).cpu()
+        for k, i in enumerate(chunk):
+            heat = maps[k].cpu()
+            np.save(out / f"{names[i]}.npy", heat.numpy())
+            shown = display_image(transform, pictures[k], inputs[k])
+            overlay(shown, heat, alpha, colormap).save(out / f"{names[i]}.png")
+            top = int(probs[k].argmax())
+            label = info.classes[top] if info.classes and top < len(info.classes) else str(top)
+            explained = explainer.target_classes[k] if explainer.target_classes else top
+            what = "" if explained == top else f", explained class {explained}"
+            typer.echo(f"{ids[i]}: {label} ({float(probs[k, top]):.2f}){what} -> {out / names[i]}.png")
+    typer.echo(f"layer: {', '.join(explainer.layers or [])}; method: {method}; {len(paths)} heatmaps in {out}")

@@ -1,0 +1,87 @@
+"""``layertap extract``: stream layers' features over a whole dataset to a Zarr, HDF5 or NumPy store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..controls import REDUCTIONS
+from ..dataset import extract_dataset, human
+from ..loading import load_model
+from ..store import FORMATS
+from . import app, typer
+from .inspect import check_spec
+
+DTYPES = ("float32", "float16", "float64")
+
+
+def _choice(value: Optional[str], choices: tuple[str, ...], option: str) -> Optional[str]:
+    if value is not None and value not in choices:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=f"'{option}'")
+    return value
+
+
+def _disk_size(path: Path) -> int:
+    files = [path] if path.is_file() else path.rglob("*")
+    return sum(p.stat().st_size for p in files if p.is_file())
+
+
+@app.command()
+def extract(
+    model: str = typer.Argument(
+        ...,
+        callback=check_spec,
+        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
+        "or layertap:shapes.",
+    ),
+    data: Path = typer.Argument(
+        ..., exists=True, help="The inputs: an image folder (class sub-folders become labels), an image file or a .npy array."
+    ),
+    layers: list[str] = typer.Option(
+        ..., "--layers", help="Layers to keep (names, globs like 'layer*', 're:REGEX'); repeatable."
+    ),
+    out: Path = typer.Option(..., "--out", help="The store: a .zarr folder (default), a .h5 file, or a folder with --format npy."),
+    reduce: Optional[str] = typer.Option(None, "--reduce", help=f"Pool each feature map: {', '.join(REDUCTIONS)}."),
+    format: Optional[str] = typer.Option(None, "--format", help="zarr, hdf5 or npy (default: from --out, else zarr)."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Inputs per forward."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=0, help="Processes reading images (default: a few)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Run on this device, e.g. cuda or cuda:1 (default: cpu)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=f"Store features as {', '.join(DTYPES)}."),
+    on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store (default: resume it)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
+    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+) -> None:
+    """Run MODEL over every sample of DATA and write the features of --layers to --out, chunk by
+    chunk, in constant memory. Rerun the same command to resume an interrupted run.
+
+    Example: layertap extract torchvision:resnet50 ./images --layers avgpool --layers layer3 --reduce mean --out feats.zarr
+    """
+    _choice(reduce, REDUCTIONS, "--reduce")
+    _choice(format, FORMATS, "--format")
+    _choice(dtype, DTYPES, "--dtype")
+    _choice(on_error, ("fail", "skip"), "--on-error")
+    net = load_model(model, arch=arch, trust=trust)
+    store = extract_dataset(
+        net,
+        str(data),
+        layers,
+        out,
+        reduce=reduce,
+        dtype=dtype,
+        batch_size=batch_size,
+        num_workers=workers,
+        device=device,
+        format=format,
+        overwrite=overwrite,
+        on_error=on_error,
+        limit=limit,
+    )
+    with store:
+        arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
+        typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human(_disk_size(out))}): {arrays}")
+        if store.labels is not None:
+            typer.echo(f"labels: {len(set(store.labels.tolist()))} classes")
+        for failure in store.failed:
+            typer.echo(f"failed: {failure.id}: {failure.error}")

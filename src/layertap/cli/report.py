@@ -1,0 +1,50 @@
+"""``layertap report``: one self-contained HTML page about a feature store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..cam import METHODS
+from ..loading import load_model
+from ..report import build_report
+from . import app, typer
+from .inspect import check_spec
+
+
+def _check_model(spec: str | None) -> str | None:
+    return None if spec is None else check_spec(spec)
+
+
+def _check_method(name: str) -> str:
+    if name not in METHODS:
+        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return name
+
+
+@app.command()
+def report(
+    store: Path = typer.Argument(..., exists=True, help="A feature store written by `layertap extract` (Zarr, HDF5 or npy)."),
+    out: Path | None = typer.Option(None, "--out", help="The HTML file to write (default: beside the store, STORE.html)."),
+    model: str | None = typer.Option(
+        None, "--model", callback=_check_model,
+        help="The model that wrote the store, as a spec (default: the spec the store records).",
+    ),
+    arch: str | None = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth --model."),
+    images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: the one it records)."),
+    method: str = typer.Option("gradcam", "--method", callback=_check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
+    heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
+    max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the PCA plots and used for statistics."),
+) -> None:
+    """Write one HTML page (no network needed to view it) with the model's layer table, heatmaps
+    of the store's images with true and predicted classes, a 2-D PCA of every stored layer
+    coloured by class, and per-layer activation statistics. Sections that need what the store
+    lacks (the model, the image files) say so instead.
+
+    Example: layertap report ./features.zarr --out report.html
+    """
+    if arch is not None and model is None:
+        raise typer.BadParameter("--arch names the architecture of a --model state-dict file: give --model too", param_hint="'--arch'")
+    target = out or store.with_suffix(".html")
+    net = load_model(model, arch=arch) if model is not None else None
+    path = build_report(store, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples)
+    typer.echo(f"report: {path}")

@@ -1,0 +1,55 @@
+"""``layertap stats``: streaming statistics of every layer over a dataset, dead units and explosions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..loading import load_model
+from ..stats import stats as layer_stats
+from . import app, typer
+from .inspect import check_spec
+
+
+@app.command()
+def stats(
+    model: str = typer.Argument(
+        ...,
+        callback=check_spec,
+        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
+        "or layertap:shapes.",
+    ),
+    data: Path = typer.Argument(..., exists=True, help="The inputs: an image folder, an image file or a .npy array."),
+    layers: Optional[list[str]] = typer.Option(
+        None,
+        "--layers",
+        help="Only these layers (names, globs like 'layer*', 're:REGEX'); repeatable. Default: every leaf module.",
+    ),
+    per_channel: bool = typer.Option(False, "--per-channel", help="Also report each channel's mean and std."),
+    bins: int = typer.Option(0, "--bins", min=0, help="Add a histogram of at most N bins per layer (in --json)."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Inputs per forward."),
+    device: Optional[str] = typer.Option(
+        None, "--device", help="Run on this device, e.g. cuda:0 (default: where the weights are)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
+    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+) -> None:
+    """Mean, std, min, max, zeros and NaN/Inf of every layer's output over DATA, in one pass;
+    flags dead channels (zero on every input) and exploding layers.
+
+    Example: layertap stats layertap:shapes ./images --layers 'features.*' --per-channel
+    """
+    if bins == 1:
+        raise typer.BadParameter("a histogram needs at least 2 bins (or 0 for none)", param_hint="'--bins'")
+    net = load_model(model, arch=arch, trust=trust)
+    table = layer_stats(
+        net,
+        str(data),
+        layers or None,
+        per_channel=per_channel,
+        histogram_bins=bins,
+        batch_size=batch_size,
+        device=device,
+    )
+    typer.echo(table.to_json() if as_json else str(table))

@@ -1,0 +1,498 @@
+"""Turning a ``data`` argument into batches of model inputs, with sample ids, labels and indices.
+
+Accepted ``data`` (the same everywhere a layertap function or command takes a dataset):
+
+- an image folder or file (``str``/``Path``): searched recursively; class sub-folders become
+  labels as in torchvision's ``ImageFolder``; ids are the paths relative to the folder;
+- a ``.npy`` file: its rows are the samples, read through a memory map;
+- a map-style ``Dataset`` (or a tensor / array, whose rows are the samples);
+- a ``DataLoader``: its batches as they are (batch size, workers, collate function);
+- an ``IterableDataset`` or any iterable of batches (a list of tensors, a generator).
+
+A sample (or batch) may be ``(input, label)`` with a numeric label per sample, a dict (its
+``"label"``/``"labels"`` entry is the label, the rest are keyword inputs) or a bare input; a
+tuple input is passed as positional arguments (see `layertap.features.run_model`).
+
+Every sample has a fixed global index (its position in the data), so any subset can be
+visited (``shard=``) and the batches over a subset are cut exactly as in a full pass.
+
+>>> import torch
+>>> batches = iter_batches(torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10)), batch_size=4)
+>>> [(b.inputs.shape[0], b.labels.tolist(), b.index.tolist()) for b in batches][-1]
+(2, [8, 9], [8, 9])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate
+
+from . import nested
+from .errors import LayertapError
+from .images import CorruptImageError, find_images, load_image
+
+OnError = Literal["fail", "skip"]
+ON_ERROR = ("fail", "skip")
+_LABEL_KEYS = ("label", "labels")
+
+
+class DataError(LayertapError):
+    """The data cannot be read as samples; the message says what was expected."""
+
+
+class Failure(NamedTuple):
+    """A sample that could not be loaded (recorded with ``on_error='skip'``)."""
+
+    index: int
+    id: Any
+    error: str
+
+
+@dataclass
+class Batch:
+    """A batch of samples, with where they sit in the data.
+
+    Attributes:
+        inputs: a tensor, a tuple of positional or a dict of keyword inputs (batch first).
+        labels: one label per sample (1-D tensor), or ``None`` when the data has none.
+        ids: the id of each sample: its file path, else its global index.
+        index: the global index of each sample (``int64`` array), in batch order.
+        failed: samples of this batch that could not be loaded (``on_error='skip'``); they
+            are not in ``inputs``.
+    """
+
+    inputs: Any
+    labels: torch.Tensor | None
+    ids: list
+    index: np.ndarray
+    failed: list[Failure] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def take(self, rows: np.ndarray) -> Batch:
+        """The samples at positions ``rows`` of this batch (its ``failed`` list is kept as is)."""
+        if len(rows) == len(self):
+            return self
+        keep = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        inputs = nested.map_leaves(lambda t: t[keep], self.inputs)
+        labels = None if self.labels is None else self.labels[keep]
+        return Batch(inputs, labels, [self.ids[i] for i in rows], self.index[rows], self.failed)
+
+
+# ------------------------------------------------------------------------- samples and batches
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _batch_size(inputs: Any) -> int:
+    first = nested.first_tensor(inputs)
+    if first is None or first.dim() == 0:
+        raise DataError(
+            f"a batch must hold tensors with the samples along dim 0, got {type(inputs).__name__}: "
+            "turn the inputs into tensors (e.g. with a transform or a collate_fn)"
+        )
+    return first.shape[0]
+
+
+def split_batch(batch: Any) -> tuple[Any, torch.Tensor | None]:
+    """``(inputs, labels)`` of a collated batch; ``labels`` is ``None`` when it has none.
+
+    ``(x, y)`` with ``y`` one number per sample is an input and its labels; a dict's
+    ``"label"``/``"labels"`` entry is taken out as labels; a list of inputs becomes positional
+    arguments. Pass a model needing a second per-sample argument a dict, so it is not read as
+    a label.
+    """
+    if isinstance(batch, dict):
+        rest = {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+        labels = next((batch[k] for k in _LABEL_KEYS if k in batch), None)
+        if labels is not None and _is_label_column(labels, _batch_size(rest)):
+            return rest, torch.as_tensor(labels)
+        return dict(batch), None
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2 and _is_label_column(batch[1], _batch_size(batch[0])):
+            inputs = batch[0]
+            return (tuple(inputs) if isinstance(inputs, list) else inputs), torch.as_tensor(batch[1])
+        return tuple(batch), None
+    return batch, None
+
+
+def _is_label_column(labels: Any, n: int) -> bool:
+    if isinstance(labels, (list, tuple)):
+        return len(labels) == n and all(_is_scalar(v) for v in labels)
+    if isinstance(labels, (torch.Tensor, np.ndarray)):
+        return labels.ndim == 1 and labels.shape[0] == n and labels.dtype != object
+    return False
+
+
+def image_to_tensor(image: Any) -> torch.Tensor:
+    """RGB ``PIL.Image`` -> float ``[3, H, W]`` tensor in [0, 1] (the default image transform)."""
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
+
+
+class ImageFiles(Dataset):
+    """Image files as a dataset: ``(transform(image), label)`` or ``transform(image)``."""
+
+    def __init__(self, paths: Sequence[Path], labels: Sequence[int] | None, transform: Callable | None) -> None:
+        self.paths, self.labels = list(paths), labels
+        self.transform = transform or image_to_tensor
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        image = self.transform(load_image(self.paths[i]))
+        return image if self.labels is None else (image, self.labels[i])
+
+
+class ArrayRows(Dataset):
+    """The rows of an array (a ``.npy`` memory map, an ndarray or a tensor) as samples."""
+
+    def __init__(self, array: np.ndarray | torch.Tensor) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = self.array[i]
+        return row if isinstance(row, torch.Tensor) else torch.from_numpy(np.array(row))
+
+
+class _Failed(NamedTuple):
+    error: str  # what went wrong, without the path (the sample id says it)
+    message: str  # the full message, for on_error='fail'
+
+
+class _Guarded(Dataset):
+    """``dataset[i] -> (i, sample)``, or ``(i, _Failed)`` for a sample that could not be read.
+
+    The failure travels back from a worker as text (a layertap exception with extra arguments
+    cannot be rebuilt from a pickle), and the main process raises or records it.
+    """
+
+    def __init__(self, dataset: Dataset, catch: type[BaseException]) -> None:
+        self.dataset, self.catch = dataset, catch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        try:
+            return i, self.dataset[i]
+        except self.catch as e:
+            cause = e.__cause__ if isinstance(e, CorruptImageError) and e.__cause__ else e
+            return i, _Failed(f"{type(cause).__name__}: {cause}", str(e))
+
+
+class _Collate:
+    """Collates the readable samples with the dataset's own collate function; keeps the rest apart."""
+
+    def __init__(self, collate: Callable[[list], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[Any, np.ndarray, list[tuple[int, _Failed]]]:
+        good = [(i, s) for i, s in items if not isinstance(s, _Failed)]
+        failed = [(i, s) for i, s in items if isinstance(s, _Failed)]
+        try:
+            batch = self.collate([s for _, s in good]) if good else None
+        except RuntimeError as e:
+            if "stack expects each tensor to be equal size" not in str(e):
+                raise
+            raise DataError(
+                f"the samples of a batch have different shapes ({e}); give a transform that resizes "
+                "them to one size (e.g. the model's preprocessing, layertap.model_info(model).transform)"
+            ) from e
+        return batch, np.array([i for i, _ in good], dtype=np.int64), failed
+
+
+# ----------------------------------------------------------------------------------- sources
+class DataSource:
+    """The samples of one ``data`` argument: how many, their ids, and batches over any subset.
+
+    Use `open_data` to make one.
+    """
+
+    num_samples: int | None
+    """The number of samples, ``None`` when the data only says so at its end."""
+    ids: Sequence | None
+    """The id of every sample (file paths), or ``None`` when the ids are the indices."""
+    description: str
+    transform: Callable | None = None
+    """The transform applied to image files (``None`` when the data is not image files)."""
+    batch_size: int | None = None
+    """Samples per batch (``None`` when the batches come as they are)."""
+
+    def __len__(self) -> int:
+        if self.num_samples is None:
+            raise TypeError(f"{self.description} does not know its length before it is read")
+        return self.num_samples
+
+    def id_of(self, index: int) -> Any:
+        return self.ids[index] if self.ids is not None else int(index)
+
+    def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
+        """Batches over the samples ``shard`` (sorted global indices; default all), in order."""
+        raise NotImplementedError
+
+
+class _Indexed(DataSource):
+    """A map-style dataset: any sample can be read on its own, so a shard reads only its samples."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        ids: Sequence | None,
+        description: str,
+        on_error: OnError,
+        batch_size: int,
+        loader_options: dict,
+        catch_in_fail_mode: type[BaseException] | tuple = (),
+        limit: int | None,
+    ) -> None:
+        self.dataset = dataset
+        self.num_samples = len(dataset) if limit is None else min(limit, len(dataset))
+        self.ids = ids
+        self.description = description
+        self.on_error = on_error
+        self.batch_size = batch_size
+        self.loader_options = loader_options
+        self.catch = Exception if on_error == "skip" else catch_in_fail_mode
+
+    def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
+        indices = range(self.num_samples) if shard is None else np.asarray(shard, dtype=np.int64)
+        if not len(indices):
+            return
+        options = dict(self.loader_options)
+        collate = options.pop("collate_fn", None) or default_collate
+        loader = DataLoader(
+            _Guarded(self.dataset, self.catch),
+            batch_size=self.batch_size,
+            sampler=indices,
+            collate_fn=_Collate(collate),
+            **options,
+        )
+        for raw, index, failed in loader:
+            failures = [Failure(int(i), self.id_of(i), f.error) for i, f in failed]
+            if failed and self.on_error == "fail":
+                raise DataError(failed[0][1].message)
+            inputs, labels = split_batch(raw) if raw is not None else (None, None)
+            yield Batch(inputs, labels, [self.id_of(i) for i in index], index, failures)
+
+
+class _Stream(DataSource):
+    """An iterable of batches: read in order; a shard still reads (but does not return) the rest."""
+
+    def __init__(self, iterable: Iterable, *, num_samples: int | None, description: str, limit: int | None) -> None:
+        self.iterable = iterable
+        self.num_samples = num_samples if limit is None or num_samples is None else min(limit, num_samples)
+        self.limit = limit
+        self.ids = None
+        self.description = description
+
+    def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
+        wanted = None if shard is None else np.asarray(shard, dtype=np.int64)
+        if wanted is not None and not len(wanted):
+            return
+        start = 0
+        for raw in self.iterable:
+            inputs, labels = split_batch(raw)
+            n = _batch_size(inputs)
+            index = np.arange(start, start + n, dtype=np.int64)
+            batch = Batch(inputs, labels, index.tolist(), index)
+            start += n
+            if self.limit is not None and start > self.limit:
+                batch = batch.take(np.flatnonzero(index < self.limit))
+            if wanted is not None:
+                if index[0] > wanted[-1]:
+                    return
+                batch = batch.take(np.flatnonzero(np.isin(batch.index, wanted)))
+            if len(batch):
+                yield batch
+            if self.limit is not None and start >= self.limit:
+                return
+
+
+def _default_workers(files: bool) -> int:
+    # decoding image files is the slow part of a data pipeline: give it processes
+    return min(4, max(1, (os.cpu_count() or 2) - 1)) if files else 0
+
+
+def _loader_options(loader: DataLoader) -> dict:
+    """The options of a user's DataLoader that a rebuilt one over a subset must keep."""
+    options = dict(
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
+def _dataset_ids(dataset: Dataset) -> list[str] | None:
+    samples = getattr(dataset, "samples", None)  # torchvision's DatasetFolder and ImageFolder
+    if isinstance(samples, list) and samples and isinstance(samples[0], tuple) and len(samples) == len(dataset):
+        return [str(s[0]) for s in samples]
+    return None
+
+
+def open_data(
+    data: Any,
+    *,
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    transform: Callable[[Any], Any] | None = None,
+    on_error: OnError = "fail",
+    limit: int | None = None,
+    pin_memory: bool = False,
+) -> DataSource:
+    """The `DataSource` of ``data`` (see the module docs for what ``data`` may be).
+
+    Args:
+        batch_size, num_workers: of the DataLoader made for a dataset, folder or array (a
+            DataLoader given as ``data`` keeps its own). ``num_workers=None``: a few worker
+            processes for image files, none otherwise.
+        transform: ``PIL.Image -> tensor`` for image files (default: to a [0, 1] tensor).
+        on_error: ``"fail"`` stops at an unreadable sample with its path; ``"skip"`` leaves it
+            out of the batch and lists it in ``Batch.failed`` (datasets and folders only).
+        limit: use only the first ``limit`` samples.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"unknown on_error={on_error!r}: use 'fail' or 'skip'")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    common = dict(on_error=on_error, batch_size=batch_size, limit=limit)
+
+    def options(files: bool) -> dict:
+        workers = _default_workers(files) if num_workers is None else num_workers
+        return dict(num_workers=workers, pin_memory=pin_memory)
+
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(data)
+        if path.suffix == ".npy":
+            if not path.is_file():
+                raise FileNotFoundError(f"no .npy file at {path}")
+            rows = ArrayRows(np.load(path, mmap_mode="r"))
+            return _Indexed(rows, ids=None, description=f"array {path}", loader_options=options(False), **common)
+        images = find_images(path)
+        dataset = ImageFiles(images.paths, images.labels, transform)
+        source = _Indexed(
+            dataset,
+            ids=images.ids(),
+            description=f"images {path}",
+            loader_options=options(True),
+            catch_in_fail_mode=CorruptImageError,
+            **common,
+        )
+        source.transform = dataset.transform
+        return source
+    if isinstance(data, DataLoader):
+        if isinstance(data.sampler, RandomSampler):
+            raise DataError(
+                "this DataLoader shuffles (shuffle=True), so samples have no fixed position to resume "
+                "from or to label by: pass a DataLoader with shuffle=False, or the dataset itself"
+            )
+        dataset = data.dataset
+        if isinstance(data.sampler, SequentialSampler) and data.batch_size is not None and not isinstance(dataset, IterableDataset):
+            return _Indexed(
+                dataset,
+                ids=_dataset_ids(dataset),
+                description=f"DataLoader over {type(dataset).__name__}",
+                loader_options=_loader_options(data),
+                **{**common, "batch_size": data.batch_size},
+            )
+        return _Stream(data, num_samples=_length(data.dataset), description="DataLoader", limit=limit)
+    if isinstance(data, (np.ndarray, torch.Tensor)):
+        return _Indexed(ArrayRows(data), ids=None, description=f"{type(data).__name__} of {len(data)} rows", loader_options=options(False), **common)
+    if isinstance(data, IterableDataset):
+        loader = DataLoader(data, batch_size=batch_size)  # workers would each read the whole iterable
+        return _Stream(loader, num_samples=_length(data), description=type(data).__name__, limit=limit)
+    if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (list, tuple))):
+        return _Indexed(
+            data,
+            ids=_dataset_ids(data),
+            description=type(data).__name__,
+            loader_options=options(False),
+            **common,
+        )
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
+        return _Stream(data, num_samples=None, description=f"{type(data).__name__} of batches", limit=limit)
+    raise DataError(
+        f"cannot read samples from {type(data).__name__}: give an image folder or file, a .npy path, "
+        "a Dataset, a DataLoader, a tensor or array of samples, or an iterable of batches"
+    )
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def num_samples(data: Any, **options: Any) -> int | None:
+    """The number of samples in ``data``, or ``None`` when it is known only at its end.
+
+    An iterable of batches (e.g. a list) has no sample count before it is read: ``None``.
+    """
+    return open_data(data, **options).num_samples
+
+
+def iter_batches(
+    data: Any,
+    *,
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    transform: Callable[[Any], Any] | None = None,
+    on_error: OnError = "fail",
+    shard: Sequence[int] | np.ndarray | None = None,
+) -> Iterator[Batch]:
+    """`Batch` after `Batch` of ``data``: inputs, labels, ids and global indices.
+
+    Args:
+        data: an image folder or file, a ``.npy`` path, a Dataset, a DataLoader, a tensor of
+            samples or an iterable of batches (see the module docs).
+        batch_size, num_workers, transform, on_error: see `open_data`.
+        shard: the global indices of the samples to visit (sorted), e.g. one process's share;
+            default all. Batches are cut from this list, so a shard made of whole runs of
+            ``batch_size`` samples gets the same batches as a full pass.
+
+    >>> import torch
+    >>> [b.index.tolist() for b in iter_batches(torch.randn(6, 2), batch_size=2, shard=[2, 3, 4, 5])]
+    [[2, 3], [4, 5]]
+    """
+    source = open_data(data, batch_size=batch_size, num_workers=num_workers, transform=transform, on_error=on_error)
+    return source.batches(shard)
+
+
+__all__ = [
+    "Batch",
+    "DataError",
+    "DataSource",
+    "Failure",
+    "ImageFiles",
+    "ArrayRows",
+    "iter_batches",
+    "num_samples",
+    "open_data",
+    "split_batch",
+    "image_to_tensor",
+]

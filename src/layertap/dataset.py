@@ -1,0 +1,608 @@
+"""Dataset-scale extraction: run a model over a whole dataset and stream layers' features to disk.
+
+How it stays as fast as the model and as small as one batch:
+
+- one `layertap.tap` is kept for the whole run with ``stop_early=True``, so the network runs only
+  up to the last chosen layer, and ``reduce``/``dtype`` shrink features on the device;
+- on a GPU, features are copied to the host without blocking, into pinned memory; a background
+  thread assembles rows into whole chunks and writes them while the model runs the next batch;
+  a bounded queue keeps at most a few batches in flight, whatever the size of the dataset;
+- chunks are a whole number of batches, so a resumed run cuts the same batches as a full one;
+  each chunk's completion marker is written after its data (see `layertap.store`).
+
+>>> import torch, torchvision, layertap
+>>> model = torchvision.models.resnet18()
+>>> data = torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64), torch.arange(8))
+>>> store = layertap.extract_dataset(model, data, ["layer3", "avgpool"], "/tmp/doc2.zarr",
+...                                  reduce="mean", overwrite=True, progress=False)
+>>> store["layer3"].shape, store.labels.tolist()[:3]
+((8, 256), [0, 1, 2])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import itertools
+import json
+import queue
+import re
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import nested
+from .controls import Reduce, reducer
+from .data import Batch, DataSource, Failure, OnError, open_data
+from .failures import explain_failures
+from .features import run_model
+from .loading import model_info
+from .select import Layers, select
+from .store import (
+    ArraySpec,
+    FeatureStore,
+    StoreError,
+    StoreWriter,
+    array_key,
+    array_specs,
+    detect_format,
+    format_for,
+    remove_store,
+)
+from .tap import Tap, tap
+
+CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
+MAX_CHUNK = 4096  # samples: also the granularity of resuming
+QUEUE_DEPTH = 2  # batches waiting for the writer
+
+
+# ----------------------------------------------------------------------------------- settings
+def model_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's class and of its state's names, shapes, dtypes and a sample of values
+    (256 evenly spaced entries per tensor: cheap on any model, enough to tell two apart)."""
+    digest = hashlib.sha256(type(model).__qualname__.encode())
+    samples = []
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            if t.numel() and not (t.is_complex() or t.is_meta):
+                flat = t.reshape(-1)
+                samples.append(flat[:: max(1, flat.numel() // 256)][:256].double())
+    if samples:
+        digest.update(torch.cat(samples).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _describe(obj: Any) -> str | None:
+    """A stable description of a reduction or transform (no memory addresses)."""
+    if obj is None or isinstance(obj, str):
+        return obj
+    name = getattr(obj, "__qualname__", None)
+    text = f"{getattr(obj, '__module__', '')}.{name}" if name else repr(obj)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
+def _ids_digest(source: DataSource) -> str | None:
+    if source.ids is None:
+        return None
+    digest = hashlib.sha256()
+    for i in source.ids:
+        digest.update(f"{i}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def _settings(model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.dtype | None, source: DataSource) -> dict:
+    """What determines the store's contents: a resumed run must match it exactly."""
+    settings = {
+        "model": model_fingerprint(model),
+        "layers": names,
+        "reduce": _describe(reduce),
+        "dtype": str(dtype) if dtype is not None else None,
+        "num_samples": source.num_samples,
+        "ids": _ids_digest(source),
+        "transform": _describe(source.transform),
+    }
+    return json.loads(json.dumps(settings))
+
+
+def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}: use e.g. 'float16' or torch.float16")
+    return found
+
+
+def _numpy_dtype(dtype: torch.dtype) -> str:
+    # bfloat16 has no NumPy dtype: such features are stored as float32 (exactly)
+    return "float32" if dtype == torch.bfloat16 else str(torch.empty(0, dtype=dtype).numpy().dtype)
+
+
+# ------------------------------------------------------------------------------ the forward
+class _Forward:
+    """The model under one tap, batch after batch: ``{(layer, leaf index or None): tensor}``."""
+
+    def __init__(self, model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.dtype | None, device: torch.device) -> None:
+        self.model, self.names, self.device = model, names, device
+        # one Tap, entered per batch: it learns once which values need copying (see layertap.tap)
+        self.tap: Tap = tap(model, names, reduce=reduce, dtype=dtype, stop_early=True)
+
+    def __call__(self, inputs: Any, n: int) -> dict[tuple[str, int | None], torch.Tensor]:
+        inputs = nested.map_leaves(lambda t: t.to(self.device, non_blocking=True), inputs)
+        with torch.no_grad(), explain_failures(self.model), self.tap:
+            run_model(self.model, inputs)
+        leaves = {}
+        for name in self.names:
+            value = self.tap[name]
+            tensors = nested.tensors(value)
+            for i, t in enumerate(tensors):
+                leaves[(name, None if isinstance(value, torch.Tensor) else i)] = t
+                if t.dim() == 0 or t.shape[0] != n:
+                    raise StoreError(
+                        f"tensor {i} of layer {name!r}'s output has shape {list(t.shape)}, not {n} samples first: "
+                        "only batch-first outputs can be stored per sample; tap another layer, or reduce it "
+                        "with a callable that returns [batch, ...]"
+                    )
+        return leaves
+
+
+def _to_host(arrays: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Start copying device tensors to pinned host memory; the returned CUDA event marks the end.
+
+    On the CPU this is a no-op (the tensors are already where the writer reads them).
+    """
+    host, copied = {}, False
+    for key, t in arrays.items():
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        if t.device.type != "cpu":
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch caches pinned blocks
+            t, copied = pinned.copy_(t, non_blocking=True), True
+        host[key] = t
+    if not copied:
+        return host, None
+    event = torch.cuda.Event()
+    event.record()  # after the copies, on the same stream
+    return host, event
+
+
+# ------------------------------------------------------------------------------ the writer
+class _Chunk:
+    """The rows of one chunk received so far (a chunk that a batch does not cover whole)."""
+
+    def __init__(self, specs: list[ArraySpec], labels_dtype: str | None, length: int) -> None:
+        self.arrays = {s.key: np.full((length, *s.shape), _fill_value(s.dtype), dtype=s.dtype) for s in specs}
+        self.labels = None if labels_dtype is None else np.full(length, _fill_value(labels_dtype), dtype=labels_dtype)
+        self.length, self.count = length, 0
+        self.failed: list[Failure] = []
+
+
+def _fill_value(dtype: str) -> Any:
+    kind = np.dtype(dtype).kind
+    return np.nan if kind in "fc" else -1 if kind == "i" else 0
+
+
+class _Sink:
+    """Writes features from a background thread: rows go into whole chunks, chunks onto disk.
+
+    The queue holds at most `QUEUE_DEPTH` batches, so memory does not grow with the data; a
+    failure in the thread is raised in the caller at its next `put` or at `close`.
+    """
+
+    def __init__(self, writer: StoreWriter) -> None:
+        self.writer = writer
+        self.chunks: dict[int, _Chunk] = {}
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, index: np.ndarray, arrays: dict[str, torch.Tensor], labels: torch.Tensor | None, failed: list[Failure]) -> None:
+        host, event = _to_host(arrays)
+        item = (index, host, labels, failed, event)
+        while True:
+            if self.error is not None:
+                raise self.error
+            with contextlib.suppress(queue.Full):
+                self.queue.put(item, timeout=0.1)
+                return
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self._add(*item)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    self.error = e
+
+    def _chunk(self, c: int) -> _Chunk:
+        if c not in self.chunks:
+            start, end = self.writer.chunk_range(c)
+            self.chunks[c] = _Chunk(self.writer.specs, self.writer.meta["labels"], end - start)
+        return self.chunks[c]
+
+    def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[Failure], event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        arrays = {k: t.numpy() for k, t in host.items()}
+        label_array = labels.numpy() if labels is not None else None
+        size = self.writer.chunk_size
+        touched = set()
+        if len(index):
+            chunk_of = index // size
+            cuts = [0, *(np.flatnonzero(np.diff(chunk_of)) + 1).tolist(), len(index)]
+            for lo, hi in itertools.pairwise(cuts):
+                c = int(chunk_of[lo])
+                start, end = self.writer.chunk_range(c)
+                rows = slice(lo, hi)
+                if c not in self.chunks and hi - lo == end - start:  # the whole chunk: write it as it is
+                    part = None if label_array is None else label_array[rows]
+                    self.writer.write_chunk(c, {k: a[rows] for k, a in arrays.items()}, part, [])
+                    continue
+                chunk = self._chunk(c)
+                at = index[rows] - start
+                for key, a in arrays.items():
+                    chunk.arrays[key][at] = a[rows]
+                if chunk.labels is not None and label_array is not None:
+                    chunk.labels[at] = label_array[rows]
+                chunk.count += hi - lo
+                touched.add(c)
+        for f in failed:
+            chunk = self._chunk(f.index // size)
+            chunk.failed.append(f)
+            chunk.count += 1
+            touched.add(f.index // size)
+        for c in sorted(touched):
+            if self.chunks[c].count == self.chunks[c].length:
+                self._write(c, self.chunks[c].length)
+
+    def _write(self, c: int, rows: int) -> None:
+        chunk = self.chunks.pop(c)
+        labels = None if chunk.labels is None else chunk.labels[:rows]
+        self.writer.write_chunk(c, {k: a[:rows] for k, a in chunk.arrays.items()}, labels, chunk.failed)
+
+    def close(self, end: int | None) -> None:
+        """Write what is queued; ``end``: the data ended there, so its last chunk is complete.
+
+        ``end=None`` (the run failed): whole chunks are written, a partial one is dropped.
+        """
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        if end is not None:
+            for c, chunk in list(self.chunks.items()):
+                if chunk.count == end - c * self.writer.chunk_size:  # the data's last chunk, of unknown length
+                    self._write(c, chunk.count)
+
+
+# ----------------------------------------------------------------------------------- sizes
+def human(n: float) -> str:
+    """A byte count for people: ``1.5 GB``."""
+    unit = "B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            break
+        n /= 1000
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def _compression(arrays: Iterable[torch.Tensor], format: str) -> float:
+    """The fraction of its size that one batch keeps once compressed as the format stores it."""
+    if format != "zarr":
+        return 1.0
+    from numcodecs import Blosc  # installed with zarr
+
+    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
+    raw = packed = 0
+    for t in arrays:
+        a = np.ascontiguousarray(t.detach().float().cpu().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy())
+        raw += a.nbytes
+        packed += len(codec.encode(a))
+    return packed / raw if raw else 1.0
+
+
+def _free_space(path: Path) -> int:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+# ------------------------------------------------------------------------------- the run
+def _chunk_size(batch: int, sample_bytes: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        return chunk_size
+    batches = max(1, CHUNK_BYTES // max(1, batch * sample_bytes))
+    return max(batch, min(MAX_CHUNK // batch * batch, batch * batches))
+
+
+def _plan(writer: StoreWriter, rank: int = 0, world: int = 1) -> tuple[np.ndarray | None, set[int]]:
+    """The samples of the chunks still to write that process ``rank`` of ``world`` takes, and the
+    chunks already written. The missing chunks are dealt out in turn, so processes never share a
+    chunk; the samples are ``None`` when the data's length is unknown (it is read through)."""
+    done = set(writer.done())
+    if writer.num_samples is None:
+        return None, done
+    size, n = writer.chunk_size, writer.num_samples
+    missing = [c for c in range(writer.num_chunks) if c not in done][rank::world]
+    parts = [np.arange(c * size, min(n, (c + 1) * size), dtype=np.int64) for c in missing]
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), done
+
+
+def _open_existing(out: Path, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
+    """The store to continue at ``out``, or ``None`` to write a new one (after removing an old one)."""
+    found = detect_format(out)
+    if found is None:
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
+        return None
+    writer = StoreWriter.open(out)
+    meta = writer.meta
+    if overwrite or not meta.get("ready"):  # not ready: killed while creating it; nothing to keep
+        writer.close()
+        remove_store(out)
+        return None
+    problem = None
+    if not resume:
+        problem = "already holds features"
+    elif format is not None and format != meta["format"]:
+        problem = f"is a {meta['format']} store, not {format}"
+    else:
+        changed = [k for k in settings if meta["settings"].get(k) != settings[k]]
+        if changed:
+            what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
+            problem = "was written with other settings: " + "; ".join(
+                f"{what.get(k, k)} {meta['settings'].get(k)!r}, now {settings[k]!r}" for k in changed
+            )
+    if problem:
+        writer.close()
+        raise StoreError(f"{out} {problem}: pass overwrite=True (--overwrite) to replace it, or write to another path")
+    return writer
+
+
+def _versions(format: str) -> dict:
+    from importlib import metadata
+
+    versions = {"torch": torch.__version__, "numpy": np.__version__}
+    for package in ("layertap", {"zarr": "zarr", "hdf5": "h5py", "npy": "numpy"}[format]):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return versions
+
+
+def _progress(enabled: bool, total: int | None) -> Any:
+    """A tqdm bar on a terminal; ``None`` when off, not a terminal, or tqdm is missing."""
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="sample", desc="extract", dynamic_ncols=True, file=sys.stderr)
+
+
+def _say(enabled: bool, message: str) -> None:
+    if not enabled:
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"layertap: {message}", file=sys.stderr, flush=True)
+    else:
+        tqdm.write(f"layertap: {message}", file=sys.stderr)  # above a running bar, not through it
+
+
+def _place(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        model.to(device)
+        return torch.device(device)
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def extract_dataset(
+    model: nn.Module,
+    data: Any,
+    layers: Layers,
+    out: str | Path,
+    *,
+    reduce: Reduce = None,
+    dtype: torch.dtype | str | None = None,
+    batch_size: int = 64,
+    num_workers: int | None = None,
+    device: torch.device | str | None = None,
+    format: str | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    on_error: OnError = "fail",
+    progress: bool = True,
+    transform: Callable[[Any], Any] | None = None,
+    chunk_size: int | None = None,
+    limit: int | None = None,
+) -> FeatureStore:
+    """Run ``model`` over all of ``data`` and write the features of ``layers`` to ``out``.
+
+    Args:
+        data: an image folder or file, a ``.npy`` array, a Dataset, a DataLoader (not
+            shuffled), a tensor of samples or an iterable of batches (see `layertap.data`).
+            Samples may be ``(input, label)`` pairs or bare inputs.
+        layers: names, globs, regexes, classes or predicates (see `layertap.select`); unknown
+            layers fail before any work. A layer whose output holds several tensors gets one
+            array per tensor, ``"<layer>/0"``, ``"<layer>/1"``, ...
+        out: the store: a Zarr folder (default), an HDF5 file (``.h5``/``.hdf5``) or a folder
+            of ``.npy`` files (``format="npy"``).
+        reduce, dtype: applied on the device before anything is copied (see `layertap.tap`);
+            bfloat16 features are stored as float32 (NumPy has no bfloat16).
+        batch_size, num_workers, transform: how ``data`` is read (a DataLoader keeps its own);
+            image files default to the model's preprocessing (`layertap.model_info`).
+        device: where to run; the model is moved there. Default: where its weights are.
+        format: ``"zarr"``, ``"hdf5"`` or ``"npy"``; default from ``out``'s suffix, else Zarr.
+        resume: continue the interrupted run that wrote ``out`` with the same settings (its
+            missing chunks only). Different settings, or ``resume=False``, are an error unless
+            ``overwrite=True``, which replaces the store.
+        on_error: an unreadable image stops the run naming it (``"fail"``) or is recorded in
+            the store's ``failed`` list, its rows NaN (``"skip"``).
+        progress: print the size estimate and show a progress bar (on a terminal only).
+        chunk_size: samples per chunk (default: whole batches, about 16 MB); the unit of
+            writing and of resuming.
+        limit: only the first ``limit`` samples.
+
+    Returns:
+        the finished store, opened for reading (`layertap.open_features`).
+
+    The disk size is estimated from the first batch and printed; a run that would not fit
+    stops before writing anything.
+    """
+    names = select(model, layers)  # unknown layers fail here, before any work
+    reducer(reduce)
+    dtype = _torch_dtype(dtype)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    out = Path(out)
+    fmt = format_for(out, format)
+    run_device = _place(model, device)
+    transform = transform or model_info(model).transform
+    source = open_data(
+        data,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        transform=transform,
+        on_error=on_error,
+        limit=limit,
+        pin_memory=run_device.type == "cuda",
+    )
+    if source.num_samples == 0:
+        raise StoreError(f"{source.description} holds no samples")
+    settings = _settings(model, names, reduce, dtype, source)
+    writer = _open_existing(out, format, settings, resume, overwrite)
+    if writer is not None and writer.meta["complete"]:
+        writer.close()
+        _say(progress, f"{out} is already complete")
+        return FeatureStore(out)
+    meta = {
+        "model": model_info(model).spec or type(model).__name__,
+        "layers": names,
+        "reduce": _describe(reduce),
+        "dtype": settings["dtype"],
+        "data": source.description,
+        "settings": settings,
+        "settings_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
+        "versions": _versions(fmt),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, fmt, meta, progress, chunk_size)
+    try:
+        run.extract(writer)
+    finally:
+        if run.writer is not None:
+            run.writer.close()
+    return FeatureStore(out)
+
+
+class _Run:
+    """One extraction: plan the chunks to do, run the batches, create the store at the first one."""
+
+    def __init__(self, forward: _Forward, source: DataSource, out: Path, format: str, meta: dict, progress: bool, chunk_size: int | None) -> None:
+        self.forward, self.source, self.out, self.format, self.meta = forward, source, out, format, meta
+        self.progress, self.chunk_size = progress, chunk_size
+        self.writer: StoreWriter | None = None
+
+    def extract(self, writer: StoreWriter | None) -> None:
+        self.writer = writer
+        shard, done = _plan(writer) if writer is not None else (None, set())
+        if writer is not None:
+            _say(self.progress, f"resuming {self.out}: {len(done)} of {writer.num_chunks or '?'} chunks already written")
+        bar = _progress(self.progress, len(shard) if shard is not None else self.source.num_samples)
+        sink = _Sink(writer) if writer is not None else None
+        waiting: list[Failure] = []  # failed samples seen before the store exists
+        end = 0  # where the data ended (for data of unknown length)
+        try:
+            for batch in self.source.batches(shard):
+                end = max(end, *(int(i) + 1 for i in batch.index[-1:]), *(f.index + 1 for f in batch.failed))
+                if done and shard is None:  # data of unknown length: leave out the chunks written before
+                    batch = batch.take(np.flatnonzero(~np.isin(batch.index // self.writer.chunk_size, list(done))))
+                leaves = self.forward(batch.inputs, len(batch)) if len(batch) else {}
+                arrays = {array_key(*k): t for k, t in leaves.items()}
+                if sink is None:
+                    if not arrays:
+                        waiting += batch.failed
+                        continue
+                    self.writer = self._create(batch, leaves)
+                    sink = _Sink(self.writer)
+                    batch.failed = waiting + batch.failed
+                elif arrays:
+                    self._check(arrays, batch)
+                if arrays or batch.failed:
+                    sink.put(batch.index, arrays, batch.labels, batch.failed)
+                if bar is not None:
+                    bar.update(len(batch) + len(batch.failed))
+            if sink is None:
+                first = f", first {waiting[0].id}: {waiting[0].error}" if waiting else ""
+                raise StoreError(f"no sample of {self.source.description} could be read ({len(waiting)} failed{first})")
+            sink.close(end)
+            sink = None
+            self.writer.finish(self.source.num_samples or end)
+        except BaseException:
+            if sink is not None:
+                with contextlib.suppress(BaseException):
+                    sink.close(None)  # keep every whole chunk done so far
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
+        for spec in self.writer.specs:
+            t = arrays.get(spec.key)
+            if t is None or tuple(t.shape[1:]) != spec.shape or _numpy_dtype(t.dtype) != spec.dtype:
+                got = "nothing" if t is None else f"{list(t.shape[1:])} {_numpy_dtype(t.dtype)}"
+                raise StoreError(
+                    f"{spec.key!r} gave {got} per sample at sample {batch.ids[0]!r}, but the store holds "
+                    f"{list(spec.shape)} {spec.dtype}: samples must give one feature shape (resize inputs to one "
+                    "size, or pool with reduce='mean')"
+                )
+
+    def _create(self, batch: Batch, leaves: dict[tuple[str, int | None], torch.Tensor]) -> StoreWriter:
+        """The new store, shaped by the first batch's features, once the disk is known to hold it."""
+        specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
+        labels_dtype = None if batch.labels is None else str(batch.labels.numpy().dtype)
+        sample_bytes = sum(s.sample_bytes for s in specs)
+        size = _chunk_size(self.source.batch_size or len(batch) + len(batch.failed), sample_bytes, self.chunk_size)
+        n = self.source.num_samples
+        ratio = _compression(leaves.values(), self.format)
+        if n is None:
+            _say(self.progress, f"writing ~{human(sample_bytes * ratio)} per sample to {self.out} ({self.format}); the number of samples is not known yet")
+        else:
+            need = int(sample_bytes * ratio * n) + n * 8
+            free = _free_space(self.out)
+            _say(self.progress, f"~{human(need)} for {n:,} samples × {len(specs)} arrays ({human(sample_bytes)} per sample) to {self.out} ({self.format}); {human(free)} free")
+            if need > free:
+                raise StoreError(
+                    f"the features need ~{human(need)} but only {human(free)} is free where {self.out} goes: free "
+                    "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"
+                )
+        return StoreWriter.create(
+            self.out,
+            self.format,
+            self.meta,
+            specs,
+            num_samples=n,
+            chunk_size=size,
+            ids=self.source.ids,
+            labels_dtype=labels_dtype,
+        )
+
+
+__all__ = ["extract_dataset", "model_fingerprint", "human"]

@@ -1,0 +1,453 @@
+"""Loading a model from one string, shared by every command, and what layertap knows about it.
+
+Accepted specs:
+
+- ``torchvision:NAME[:WEIGHTS]``: ``torchvision.models.get_model(NAME)``, random weights unless
+  ``WEIGHTS`` names a weights enum member (``IMAGENET1K_V2``, ``DEFAULT``);
+- ``timm:NAME[:pretrained]``: ``timm.create_model(NAME)``, random weights unless ``:pretrained``;
+- ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub;
+- ``PATH.pt`` / ``PATH.pth``: a TorchScript archive, or a state dict for ``arch=`` (another
+  spec). Files are read with ``torch.load(weights_only=True)``, which never runs code from the
+  file; a pickled ``nn.Module`` is refused unless ``trust=True`` (``--trust``);
+- ``package.module:callable``: a factory (or class) called without arguments, or a module object;
+- ``layertap:shapes``: the small CNN bundled with layertap (offline).
+
+Every model is returned in eval mode, with what the spec tells about it (input size,
+preprocessing, class names) recorded for `model_info`.
+
+>>> import layertap
+>>> model = layertap.load_model("torchvision:resnet18")
+>>> info = layertap.model_info(model)
+>>> info.spec, info.input_size, info.kind
+('torchvision:resnet18', (3, 224, 224), 'vision')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import pickle
+import re
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import LayertapError, require
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_SPEC = "layertap:shapes"
+TEXT_LENGTH = 16  # tokens in a text model's default example input
+
+SPEC_FORMS = (
+    "torchvision:NAME[:WEIGHTS] (e.g. torchvision:resnet50, torchvision:resnet50:IMAGENET1K_V2)",
+    "timm:NAME[:pretrained] (e.g. timm:convnext_tiny)",
+    "hf:PATH_OR_NAME (a Hugging Face model folder or Hub name, e.g. hf:bert-base-uncased)",
+    "PATH.pt / PATH.pth (a TorchScript archive, or a state dict together with --arch SPEC)",
+    "package.module:callable (a factory returning an nn.Module, e.g. mypkg.models:build)",
+    "layertap:shapes (the bundled example model)",
+)
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model")  # where trainers nest the weights
+
+
+class ModelLoadError(LayertapError):
+    """A model spec could not be turned into a model; the message says what to change."""
+
+
+# The transforms are classes, not closures, so that a loaded model (which carries its info)
+# still pickles: torch.save(model), DataLoader workers, multiprocessing.
+@dataclasses.dataclass(frozen=True)
+class NotImages:
+    """The ``transform`` of a model that does not take images: calling it says so."""
+
+    kind: str
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        takes = "token ids" if self.kind == "text" else "its own kind of input"
+        raise LayertapError(f"this is a {self.kind} model: it takes {takes}, not images")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTransform:
+    """RGB PIL image -> normalised ``[C, H, W]`` tensor at ``input_size``.
+
+    With ``crop`` (the ImageNet convention) the short side is resized to ``H / 0.875`` and the
+    centre cropped; without, the image is resized to ``(H, W)``. torchvision is imported on the
+    first call, so that knowing about a model never needs it.
+
+    >>> from PIL import Image
+    >>> ImageTransform((3, 32, 32))(Image.new("RGB", (50, 40))).shape
+    torch.Size([3, 32, 32])
+    """
+
+    input_size: tuple[int, int, int]
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    crop: bool = True
+
+    @functools.cached_property
+    def pipeline(self) -> Callable[[Any], torch.Tensor]:
+        T = require("torchvision.transforms", "vision")
+        _, height, width = self.input_size
+        size = (
+            [T.Resize(int(height / 0.875)), T.CenterCrop((height, width))]
+            if self.crop
+            else [T.Resize((height, width))]
+        )
+        return T.Compose([*size, T.ToTensor(), T.Normalize(self.mean, self.std)])
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return self.pipeline(image.convert("RGB"))
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What layertap knows about a model: where it came from and how to feed it.
+
+    Attributes:
+        spec: the `load_model` spec, or ``None`` for a model built elsewhere.
+        input_size: ``(C, H, W)`` of an image input (vision models).
+        transform: one RGB ``PIL.Image`` -> normalised ``[C, H, W]`` float tensor; for a model
+            that does not take images it raises an error that says so.
+        classes: class names of the outputs, when the weights say them.
+        kind: ``"vision"``, ``"text"``, ``"audio"`` or ``"other"``.
+        vocab_size: size of a text model's vocabulary (for random example token ids).
+    """
+
+    spec: str | None = None
+    input_size: tuple[int, int, int] = (3, 224, 224)
+    transform: Callable[[Any], torch.Tensor] | None = None  # None: ImageNet preprocessing
+    classes: list[str] | None = None
+    kind: str = "vision"
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        self.input_size = tuple(int(s) for s in self.input_size)  # type: ignore[assignment]
+        if self.transform is None:
+            self.transform = (
+                ImageTransform(self.input_size) if self.kind == "vision" else NotImages(self.kind)
+            )
+
+    def example(self, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """A random example input: token ids ``[1, 16]`` for text, else ``[1, *input_size]``.
+
+        >>> ModelInfo(kind="text", vocab_size=100).example((2, 8)).dtype
+        torch.int64
+        """
+        if self.kind == "text":
+            return torch.randint(0, self.vocab_size or 2, tuple(shape or (1, TEXT_LENGTH)))
+        return torch.randn(tuple(shape or (1, *self.input_size)))
+
+
+# ---------------------------------------------------------------------------- what a model is
+def _hf_info(model: nn.Module, spec: str | None) -> ModelInfo:
+    """Info of a Hugging Face ``PreTrainedModel``, from its config (no import of transformers)."""
+    config = model.config
+    kind = {"input_ids": "text", "pixel_values": "vision"}.get(
+        model.main_input_name,
+        "audio" if model.main_input_name in ("input_values", "input_features") else "other",
+    )
+    if kind != "vision":
+        return ModelInfo(spec, kind=kind, vocab_size=getattr(config, "vocab_size", None))
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return ModelInfo(spec, (getattr(config, "num_channels", 3), height, width), kind="vision")
+
+
+def _timm_info(model: nn.Module, spec: str | None) -> ModelInfo:
+    data = require("timm.data", "timm")
+    config = data.resolve_data_config({}, model=model)
+    return ModelInfo(spec, config["input_size"], transform=data.create_transform(**config), kind="vision")
+
+
+def _declared_info(model: nn.Module, spec: str | None) -> ModelInfo | None:
+    """Info from attributes a model declares itself (``input_size``, ``mean``, ``std``, ``classes``)."""
+    size = getattr(model, "input_size", None)
+    if not (isinstance(size, (tuple, list)) and len(size) == 3):
+        return None
+    mean, std = getattr(model, "mean", IMAGENET_MEAN), getattr(model, "std", IMAGENET_STD)
+    classes = getattr(model, "classes", None)
+    return ModelInfo(
+        spec,
+        tuple(size),
+        transform=ImageTransform(tuple(size), tuple(mean), tuple(std), crop=False),
+        classes=list(classes) if classes is not None else None,
+    )
+
+
+def _infer_info(model: nn.Module, spec: str | None = None) -> ModelInfo:
+    if hasattr(model, "config") and hasattr(model, "main_input_name"):
+        return _hf_info(model, spec)
+    if isinstance(getattr(model, "pretrained_cfg", None), dict):
+        return _timm_info(model, spec)
+    return _declared_info(model, spec) or ModelInfo(spec)
+
+
+def model_info(model: nn.Module) -> ModelInfo:
+    """What layertap knows about ``model``: recorded by `load_model`, else inferred.
+
+    A model built elsewhere is recognised as a Hugging Face model (from its config), a timm
+    model (from its data config), a model declaring ``input_size``/``mean``/``std``/``classes``
+    attributes, or else a 224×224 ImageNet-normalised vision model.
+
+    >>> import torch
+    >>> model_info(torch.nn.Conv2d(3, 8, 3)).input_size
+    (3, 224, 224)
+    """
+    info = getattr(model, "layertap_info", None)
+    return info if isinstance(info, ModelInfo) else _infer_info(model)
+
+
+# ---------------------------------------------------------------------------- the loaders
+def _torchvision(name: str, weights_name: str | None) -> tuple[nn.Module, ModelInfo]:
+    models = require("torchvision.models", "vision")
+    spec = f"torchvision:{name}" + (f":{weights_name}" if weights_name else "")
+    if name not in models.list_models():
+        raise ModelLoadError(f"torchvision has no model {name!r}; see torchvision.models.list_models()")
+    try:
+        enum = models.get_model_weights(name)
+    except (KeyError, ValueError):
+        enum = None  # an architecture without published weights
+    weights = None
+    if weights_name:
+        if enum is None or weights_name not in enum.__members__:
+            known = ", ".join(enum.__members__) if enum is not None else "none"
+            raise ModelLoadError(
+                f"torchvision model {name!r} has no weights {weights_name!r}; available: {known}"
+            )
+        weights = enum[weights_name]
+    model = models.get_model(name, weights=weights)
+    # random weights still take the preprocessing (and input size) of the published ones
+    preset = weights or (enum.DEFAULT if enum is not None else None)
+    if preset is None:
+        return model, ModelInfo(spec)
+    transform = preset.transforms()
+    crop = getattr(transform, "crop_size", [224])
+    classes = weights.meta.get("categories") if weights is not None else None
+    return model, ModelInfo(spec, (3, crop[0], crop[-1]), transform=transform, classes=classes)
+
+
+def _timm(name: str, pretrained: str | None) -> tuple[nn.Module, ModelInfo]:
+    timm = require("timm", "timm")
+    if pretrained not in (None, "pretrained"):
+        raise ModelLoadError(f"timm:{name}:{pretrained}: the only option after the name is ':pretrained'")
+    try:
+        model = timm.create_model(name, pretrained=pretrained is not None)
+    except RuntimeError as e:
+        if "Unknown model" not in str(e):
+            raise
+        close = difflib.get_close_matches(name.split(".")[0], timm.list_models(), n=5)
+        raise ModelLoadError(
+            f"timm has no model {name!r}" + (f"; similar: {', '.join(close)}" if close else "")
+        ) from e
+    return model, _timm_info(model, f"timm:{name}" + (":pretrained" if pretrained else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorTransform:
+    """A Hugging Face image processor as a one-image transform."""
+
+    processor: Any
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        return self.processor(images=image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+
+
+def _hf(path_or_name: str) -> tuple[nn.Module, ModelInfo]:
+    transformers = require("transformers", "hf")
+    model = transformers.AutoModel.from_pretrained(path_or_name)
+    info = _hf_info(model, f"hf:{path_or_name}")
+    if info.kind == "vision":
+        try:  # the model's own preprocessing, when it was saved with the model
+            processor = transformers.AutoImageProcessor.from_pretrained(path_or_name)
+        except (OSError, ValueError):
+            processor = None
+        if processor is not None:
+            info.transform = ProcessorTransform(processor)
+    return model, info
+
+
+def _factory(spec: str) -> tuple[nn.Module, ModelInfo]:
+    module_name, attr = spec.split(":", 1)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ModelLoadError(f"cannot import {module_name!r} for model {spec!r}: {e}") from e
+    try:
+        obj = functools.reduce(getattr, attr.split("."), obj)
+    except AttributeError as e:
+        raise ModelLoadError(f"module {module_name!r} has no {attr!r} (model {spec!r})") from e
+    model = obj if isinstance(obj, nn.Module) else obj()
+    if not isinstance(model, nn.Module):
+        raise ModelLoadError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model, dataclasses.replace(model_info(model), spec=spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapesTransform:
+    """The bundled model's own preprocessing, after resizing to the 64x64 it was trained on."""
+
+    size: tuple[int, int]  # (width, height)
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        from .shapes import preprocess
+
+        image = image.convert("RGB")
+        if image.size != self.size:
+            image = image.resize(self.size)
+        return preprocess(image)[0]
+
+
+def _shapes() -> tuple[nn.Module, ModelInfo]:
+    from .shapes import CLASSES, load_shapes_model
+
+    model = load_shapes_model()
+    _, height, width = model.input_size
+    transform = ShapesTransform((width, height))
+    return model, ModelInfo(DEFAULT_SPEC, model.input_size, transform=transform, classes=list(CLASSES))
+
+
+def _is_torchscript(path: Path) -> bool:
+    # both formats are zip archives; only TorchScript stores code and constants
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(n.endswith("/constants.pkl") or "/code/" in n for n in archive.namelist())
+
+
+def _state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
+    """The state dict in ``obj``: itself, or under a trainer's usual key."""
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj
+    if isinstance(obj, dict):
+        for key in _CHECKPOINT_KEYS:
+            found = _state_dict(obj.get(key))
+            if found is not None:
+                return found
+    return None
+
+
+def _file(path: Path, arch: str | None, trust: bool) -> tuple[nn.Module, ModelInfo]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    if _is_torchscript(path):
+        if arch is not None:
+            raise ModelLoadError(
+                f"{path} is a TorchScript archive, which holds its own architecture: drop --arch"
+            )
+        model = torch.jit.load(str(path), map_location="cpu")
+        return model, dataclasses.replace(model_info(model), spec=str(path))
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses any object that is not plain data
+        if not trust:
+            found = re.search(r"GLOBAL (\S+)", str(e))
+            what = f"a pickled {found.group(1)}" if found else "pickled data that is not plain tensors"
+            raise ModelLoadError(
+                f"{path} holds {what} (e.g. a whole nn.Module saved with torch.save); unpickling it can "
+                "run arbitrary code from the file, so layertap refuses it. If you trust the file, pass "
+                "--trust (trust=True); better, save a state dict (torch.save(model.state_dict(), path)) "
+                "and load it with --arch SPEC"
+            ) from e
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(obj, nn.Module):
+        return obj, dataclasses.replace(model_info(obj), spec=str(path))
+    state = _state_dict(obj)
+    if state is None:
+        raise ModelLoadError(f"{path} holds a {type(obj).__name__}, neither a state dict nor a model")
+    if arch is None:
+        raise ModelLoadError(
+            f"{path} is a state dict, which holds weights but no architecture: say which model it belongs "
+            "to with --arch SPEC (arch=), e.g. --arch torchvision:resnet50"
+        )
+    model = load_model(arch)
+    nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "module.")  # saved under DDP
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelLoadError(
+            f"{path} does not fit {arch}: {len(result.missing_keys)} missing keys (e.g. "
+            f"{result.missing_keys[:3]}), {len(result.unexpected_keys)} unexpected "
+            f"(e.g. {result.unexpected_keys[:3]}); check --arch"
+        )
+    return model, dataclasses.replace(model_info(model), spec=str(path))
+
+
+def spec_kind(spec: str, arch: str | None = None) -> str:
+    """Which form ``spec`` has, checked without loading anything.
+
+    Returns ``"torchvision"``, ``"timm"``, ``"hf"``, ``"layertap"``, ``"file"`` or ``"factory"``;
+    raises `ModelLoadError` listing the accepted forms for anything else.
+
+    >>> spec_kind("timm:convnext_tiny"), spec_kind("weights.pth", arch="torchvision:resnet50")
+    ('timm', 'file')
+    """
+    prefix, _, rest = spec.partition(":")
+    if prefix in ("torchvision", "timm", "hf") and rest:
+        kind = prefix
+    elif prefix == "layertap":
+        if spec != DEFAULT_SPEC:
+            raise ModelLoadError(f"layertap bundles one model, {DEFAULT_SPEC!r}, not {spec!r}")
+        kind = "layertap"
+    elif spec.lower().endswith((".pt", ".pth")):
+        kind = "file"
+    elif _FACTORY.fullmatch(spec):
+        kind = "factory"
+    else:
+        forms = "\n  ".join(SPEC_FORMS)
+        raise ModelLoadError(f"unknown model spec {spec!r}; use one of:\n  {forms}")
+    if arch is not None:
+        if kind != "file":
+            raise ModelLoadError(f"--arch (arch=) goes with a state-dict file (.pt/.pth), not with {spec!r}")
+        spec_kind(arch)
+    return kind
+
+
+def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn.Module:
+    """Build the model named by ``spec`` (see the module docs for the forms), in eval mode.
+
+    Args:
+        arch: for a state-dict file, the spec of the architecture to load it into.
+        trust: allow unpickling a whole ``nn.Module`` from a file (it can run code from the file).
+
+    >>> import layertap
+    >>> layertap.load_model("torch.nn:Identity")
+    Identity()
+    """
+    kind = spec_kind(spec, arch)
+    rest = spec.partition(":")[2]
+    if kind == "torchvision":
+        name, _, weights = rest.partition(":")
+        model, info = _torchvision(name, weights or None)
+    elif kind == "timm":
+        name, _, option = rest.partition(":")
+        model, info = _timm(name, option or None)
+    elif kind == "hf":
+        model, info = _hf(rest)
+    elif kind == "layertap":
+        model, info = _shapes()
+    elif kind == "file":
+        model, info = _file(Path(spec), arch, trust)
+    else:
+        model, info = _factory(spec)
+    model.layertap_info = info
+    return model.eval()
+
+
+__all__ = [
+    "load_model",
+    "model_info",
+    "spec_kind",
+    "ModelInfo",
+    "ModelLoadError",
+    "ImageTransform",
+    "NotImages",
+    "DEFAULT_SPEC",
+    "SPEC_FORMS",
+]

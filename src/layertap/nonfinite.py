@@ -1,0 +1,221 @@
+"""Which layer first made a NaN or an Inf, in the forward or in the backward.
+
+>>> import torch, layertap
+>>> class Log(torch.nn.Module):
+...     def forward(self, x):
+...         return torch.log(x)
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), Log(), torch.nn.Linear(4, 2))
+>>> report = layertap.find_nonfinite(model, torch.randn(8, 4))
+>>> report.phase, report.layer, report.module_type
+('forward', '1', 'Log')
+
+Every module is tapped (the model itself too, for what its own ``forward`` computes between
+submodules); each tensor is checked inside the hook and only a small summary is kept, never the
+activations. A module's hook runs when it returns, so of nested modules the innermost one that
+made the value comes first. Gradients are watched with tensor hooks on the layers' outputs
+(no module backward hooks, which break on in-place ops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+import torch
+from torch import nn
+
+from .failures import explain_failures
+from .features import run_model
+from .select import Layers, named_layers, select
+from .stats import Call, LayerStats, Recorder, Summary
+from .tap import Tap, tap
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Where a non-finite value first appeared.
+
+    Attributes:
+        phase: ``"forward"`` (a layer's output) or ``"backward"`` (the gradient of the loss with
+            respect to a layer's output).
+        layer, module_type, call: the layer (``""`` is the model itself), its class, and which of
+            its calls (0 = first) since the check started.
+        value: statistics of the non-finite tensor: the output, or the gradient.
+        inputs: statistics of the layer's floating-point inputs in that call of the forward.
+        previous: the layer that came just before in the same order, with its output (forward)
+            or gradient (backward); ``None`` for the first.
+    """
+
+    phase: Literal["forward", "backward"]
+    layer: str
+    module_type: str
+    call: int
+    value: LayerStats
+    inputs: list[LayerStats]
+    previous: LayerStats | None
+
+    def __str__(self) -> str:
+        where = (
+            f"layer {self.layer!r} ({self.module_type}, call {self.call})"
+            if self.layer
+            else f"the model's own forward ({self.module_type})"
+        )
+        what = "output" if self.phase == "forward" else "output gradient"
+        lines = [f"{self.phase}: {where} is the first whose {what} holds non-finite values: {_describe(self.value)}"]
+        lines += [f"  input {i}: {_describe(s)}" for i, s in enumerate(self.inputs)]
+        if self.phase == "forward" and any(s.nonfinite_fraction for s in self.inputs):
+            lines.append(
+                "  its input was already non-finite: the value was made outside any module (a functional op "
+                "in the parent's forward, or the model's input)"
+            )
+        if self.previous is not None:
+            kind = "output" if self.phase == "forward" else "gradient"
+            lines.append(
+                f"  previous layer {self.previous.layer!r} ({self.previous.module_type}), "
+                f"its {kind}: {_describe(self.previous)}"
+            )
+        if self.phase == "backward":
+            lines.append(
+                "  a gradient turns non-finite in the backward of what consumes this output: the previous "
+                "layer above, or functional ops between the two (or loss_fn, for the model's output)"
+            )
+        return "\n".join(lines)
+
+
+def _describe(s: LayerStats) -> str:
+    return (
+        f"shape {list(s.shape)}, NaN {s.nan_fraction:.3g}, Inf {s.inf_fraction:.3g}, finite values: "
+        f"mean {s.mean:.4g}, std {s.std:.4g}, min {s.min:.4g}, max {s.max:.4g}"
+    )
+
+
+def _nonfinite(summary: Summary) -> bool:
+    return summary.nan + summary.inf > 0
+
+
+class NonfiniteCheck:
+    """Watches every forward (and backward) inside a ``with`` block; ``report`` is set on exit.
+
+    Made by ``layertap.find_nonfinite(model)``. Gradients are watched when autograd is enabled
+    on entry. The first non-finite forward output is reported, else the first non-finite
+    gradient; ``report`` is ``None`` when everything was finite. Wrap one training step: the
+    summaries of every call in the block are kept until it ends.
+    """
+
+    def __init__(self, model: nn.Module, layers: Layers | None = None, *, grads: bool | None = None) -> None:
+        self.model = model
+        self.names = select(model, layers) if layers is not None else list(named_layers(model))
+        self.grads = grads
+        self.report: Report | None = None
+        self._types = {name: type(m).__name__ for name, m in named_layers(model).items()}
+        self._recorder = Recorder()
+        self._tap: Tap | None = None
+
+    def __enter__(self) -> NonfiniteCheck:
+        grads = torch.is_grad_enabled() if self.grads is None else self.grads
+        capture = ("output", "input", "grad") if grads else ("output", "input")
+        self.report = None
+        self._tap = tap(self.model, self.names, capture=capture, keep="all", reduce=self._recorder)
+        self._tap.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tap.remove()
+        try:
+            self.report = self._find(self._tap)
+        finally:
+            self._recorder.clear()
+
+    def _find(self, taps: Tap) -> Report | None:
+        phases = [("forward", taps.outputs)] + ([("backward", taps.grads)] if "grad" in taps.capture else [])
+        for phase, view in phases:
+            calls = self._recorder.calls(view)
+            first = next((i for i, c in enumerate(calls) if any(map(_nonfinite, c.summaries))), None)
+            if first is None:
+                continue
+            bad = calls[first]
+            inputs = next(
+                (c for c in self._recorder.calls(taps.inputs) if (c.layer, c.call) == (bad.layer, bad.call)), None
+            )
+            previous = calls[first - 1] if first else None
+            return Report(
+                phase=phase,
+                layer=bad.layer,
+                module_type=self._types[bad.layer],
+                call=bad.call,
+                value=self._stats(bad, next(filter(_nonfinite, bad.summaries))),
+                inputs=[self._stats(inputs, s, f" input {i}") for i, s in enumerate(inputs.summaries)]
+                if inputs
+                else [],
+                previous=self._stats(previous, previous.summaries[0]) if previous else None,
+            )
+        return None
+
+    def _stats(self, call: Call, summary: Summary, suffix: str = "") -> LayerStats:
+        return LayerStats.from_summary(
+            summary, name=call.layer + suffix, layer=call.layer, call=call.call, module_type=self._types[call.layer]
+        )
+
+
+def _backward(model: nn.Module, loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a one-element tensor (a scalar loss), got {shape}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if params:  # gradients are returned, not accumulated in .grad: the model is left as it was
+        torch.autograd.grad(loss, params, allow_unused=True)
+    else:
+        loss.backward()
+
+
+_NO_INPUTS: Any = object()
+
+
+@overload
+def find_nonfinite(model: nn.Module, *, layers: Layers | None = None) -> NonfiniteCheck: ...
+
+
+@overload
+def find_nonfinite(
+    model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None, layers: Layers | None = None
+) -> Report | None: ...
+
+
+def find_nonfinite(
+    model: nn.Module,
+    inputs: Any = _NO_INPUTS,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    layers: Layers | None = None,
+) -> Report | None | NonfiniteCheck:
+    """The first layer whose output (forward) or output gradient (backward) holds NaN or Inf.
+
+    Runs ``model`` on ``inputs`` (a tensor, a tuple of args or a dict of kwargs), and with
+    ``loss_fn(output) -> scalar`` the backward too (no ``.grad`` is written). Returns a `Report`
+    with the layer, its class, its inputs' statistics and the previous layer's, or ``None``
+    when every value is finite. ``layers`` restricts the check (default: every module). The
+    model runs as it is: in train mode, BatchNorm updates its running statistics as usual.
+
+    Without ``inputs`` it returns a context manager for your own training step:
+
+    >>> import torch, layertap
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> with layertap.find_nonfinite(model) as check:
+    ...     model(torch.randn(16, 4)).pow(2).mean().backward()
+    >>> check.report is None
+    True
+    """
+    if inputs is _NO_INPUTS:
+        if loss_fn is not None:
+            raise TypeError("loss_fn goes with inputs: find_nonfinite(model, inputs, loss_fn=...)")
+        return NonfiniteCheck(model, layers)
+    check = NonfiniteCheck(model, layers, grads=loss_fn is not None)
+    with explain_failures(model), torch.set_grad_enabled(loss_fn is not None), check:
+        output = run_model(model, inputs)
+        if loss_fn is not None:
+            _backward(model, loss_fn(output))
+    return check.report
+
+
+__all__ = ["find_nonfinite", "Report", "NonfiniteCheck"]

@@ -1,0 +1,630 @@
+"""Streaming activation statistics per layer over a whole dataset: one pass, constant memory.
+
+>>> import torch, layertap
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+>>> data = [torch.randn(32, 8) for _ in range(4)]
+>>> table = layertap.stats(model, data)
+>>> list(table), table["1"].count
+(['0', '1', '2'], 2048)
+>>> table["1"].min
+0.0
+
+How the numbers are made:
+
+- Each tapped tensor is summarised inside the hook, as soon as the layer has run (before an
+  in-place op can change it), and only the summary is kept: memory does not grow with the data.
+- Moments are kept in float64, per channel: each tensor's mean and sum of squared deviations
+  come from two float64 passes over it, and calls, batches and ``torchrun`` ranks are merged with
+  the pairwise update of Chan, Golub and LeVeque (Welford's for two groups), in any order and
+  without the cancellation of a sum-of-squares formula. ``std`` is the population standard
+  deviation (``ddof=0``, like ``numpy.std``).
+- ``mean``, ``std``, ``min`` and ``max`` are over the *finite* values only; NaN and ±Inf are
+  counted apart (``nan_fraction``, ``inf_fraction``) and flag the layer.
+- A channel is dim 1 of a tensor with 4 or more dims (``[batch, C, H, W]``) and the last dim of
+  ``[batch, tokens, dim]`` and ``[batch, features]``, as for ``reduce="mean"``; a 1-D output is one
+  channel. A *dead* channel is exactly zero in every value the dataset produced.
+- A layer's statistics are those of its output, or of the first floating-point tensor of a nested
+  output (the hidden states of a layer returning a tuple).
+- A module called several times per forward (a ReLU reused inside a ResNet block) gets one row
+  per call position, ``"layer1.0.relu#0"``, ``"#1"``, ...: each is a different activation.
+- Histograms are one-pass and mergeable: bins have a power-of-two width on a grid anchored at 0,
+  so the histograms of two batches (or ranks) always line up; when values fall outside the
+  ``histogram_bins`` bins, neighbouring bins are paired (the width doubles) until they fit. Counts
+  are exact for the final bins, which cover the finite values with at least half of the bins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import nested
+from .errors import LayerNotFoundError
+from .data import iter_batches
+from .failures import explain_failures
+from .features import run_model
+from .loading import model_info
+from .select import Layers, named_layers, select
+from .tap import tap
+
+
+# ---------------------------------------------------------------------------- mergeable pieces
+class Moments(NamedTuple):
+    """Count, mean and sum of squared deviations from the mean (per channel, or in all)."""
+
+    n: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+    def merge(self, other: Moments) -> Moments:
+        """The moments of both groups together (Chan et al.); exact for empty groups too."""
+        n = self.n + other.n
+        delta = other.mean - self.mean
+        share = other.n / n.clamp(min=1)
+        return Moments(n, self.mean + delta * share, self.m2 + other.m2 + delta.square() * self.n * share)
+
+    def pooled(self) -> Moments:
+        """The moments of all channels as one group."""
+        n = self.n.sum()
+        mean = (self.n * self.mean).sum() / n.clamp(min=1)
+        return Moments(n, mean, self.m2.sum() + (self.n * (self.mean - mean).square()).sum())
+
+
+def _grid_exponent(lo: float, hi: float, bins: int) -> int:
+    """The smallest power-of-two bin width that puts ``[lo, hi]`` in ``bins`` aligned bins."""
+    scale = max(abs(lo), abs(hi))
+    # no finer than 2**-40 of the values' magnitude, so that bin indices stay exact integers
+    exponent = max(math.frexp(scale)[1] - 40 if scale else -40, -960)
+    width = hi / bins - lo / bins
+    if width > 0:
+        exponent = max(exponent, math.ceil(math.log2(width)))
+    while math.floor(math.ldexp(hi, -exponent)) - math.floor(math.ldexp(lo, -exponent)) >= bins:
+        exponent += 1
+    return exponent
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Counts in bins ``[(origin + i) * 2**exponent, (origin + i + 1) * 2**exponent)``."""
+
+    exponent: int
+    origin: int
+    counts: torch.Tensor  # int64, one per bin
+
+    @classmethod
+    def of(cls, values: torch.Tensor, lo: float, hi: float, bins: int) -> Histogram:
+        """The histogram of ``values`` (finite, float64), whose min and max are ``lo``, ``hi``."""
+        exponent = _grid_exponent(lo, hi, bins)
+        origin = math.floor(math.ldexp(lo, -exponent))
+        # scaling by a power of two is exact, so floor() puts every value in its true bin
+        index = (values * math.ldexp(1.0, -exponent)).floor_().sub_(origin).long()
+        return cls(exponent, origin, torch.bincount(index, minlength=bins))
+
+    def merge(self, other: Histogram) -> Histogram:
+        """Both histograms on the finest common grid that fits their bin count."""
+        bins = len(self.counts)
+        used = [(h, torch.nonzero(h.counts).flatten()) for h in (self, other)]
+        occupied = [(h.origin + int(nz[0]), h.origin + int(nz[-1]), h.exponent) for h, nz in used]
+
+        def span(exponent: int) -> tuple[int, int]:
+            """First and last occupied bin at width ``2**exponent`` (>> floors, negatives too)."""
+            return min(a >> (exponent - e) for a, _, e in occupied), max(b >> (exponent - e) for _, b, e in occupied)
+
+        exponent = max(self.exponent, other.exponent)
+        origin, end = span(exponent)
+        while end - origin >= bins:
+            exponent += 1
+            origin, end = span(exponent)
+        counts = torch.zeros_like(self.counts)
+        for h, nz in used:
+            counts.index_add_(0, ((nz + h.origin) >> (exponent - h.exponent)) - origin, h.counts[nz])
+        return Histogram(exponent, origin, counts)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(counts, edges)`` over the occupied bins, as ``numpy.histogram`` returns them."""
+        counts = self.counts.cpu().numpy()
+        used = np.flatnonzero(counts)
+        first, last = used[0], used[-1]
+        edges = (self.origin + np.arange(first, last + 2)).astype(np.float64) * math.ldexp(1.0, self.exponent)
+        return counts[first : last + 1], edges
+
+
+@dataclasses.dataclass
+class Summary:
+    """Mergeable statistics of the values one layer call position produced so far."""
+
+    shape: tuple[int, ...]  # of the first tensor seen
+    count: int  # every value, finite or not
+    nan: int
+    inf: int
+    zeros: torch.Tensor  # exact zeros (0-d)
+    lo: torch.Tensor  # smallest finite value (+inf when none)
+    hi: torch.Tensor
+    total: Moments  # of all finite values
+    channels: Moments | None  # per channel; None once two calls disagree on the channel count
+    histogram: Histogram | None
+
+    def dead(self) -> torch.Tensor | None:
+        """Which channels are exactly zero everywhere: all values finite, mean 0 and no spread.
+
+        (Exact: the float64 square of a difference of float32 values is 0 only if they are equal.)
+        """
+        if self.channels is None:
+            return None
+        n, mean, m2 = self.channels
+        return (n == self.count // len(n)) & (mean == 0) & (m2 == 0)
+
+    def merge(self, other: Summary) -> Summary:
+        """Both summaries together; per-channel moments are dropped if the channel counts differ."""
+        same = (
+            self.channels is not None and other.channels is not None and self.channels.n.shape == other.channels.n.shape
+        )
+        if self.histogram is None or other.histogram is None:
+            histogram = self.histogram or other.histogram
+        else:
+            histogram = self.histogram.merge(other.histogram)
+        return Summary(
+            shape=self.shape,
+            count=self.count + other.count,
+            nan=self.nan + other.nan,
+            inf=self.inf + other.inf,
+            zeros=self.zeros + other.zeros,
+            lo=torch.minimum(self.lo, other.lo),
+            hi=torch.maximum(self.hi, other.hi),
+            total=self.total.merge(other.total),
+            channels=self.channels.merge(other.channels) if same else None,
+            histogram=histogram,
+        )
+
+
+def _by_channel(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``t`` and the dims to reduce so that one value per channel remains."""
+    if t.dim() >= 4:
+        return t, (0, *range(2, t.dim()))
+    if t.dim() >= 2:
+        return t, tuple(range(t.dim() - 1))
+    return t.reshape(-1, 1), (0,)
+
+
+def summarize(t: torch.Tensor, bins: int = 0) -> Summary | None:
+    """The statistics of one real floating-point tensor, in float64 on its own device.
+
+    ``None`` for an empty or complex tensor. ``bins > 0`` adds a histogram of the finite values.
+    """
+    if t.numel() == 0 or t.is_complex():
+        return None
+    values, dims = _by_channel(t.detach())
+    x = values.to(torch.float64, copy=True)  # our own copy, changed in place below
+    total = x.sum(dim=dims, keepdim=True)
+    ok = None
+    if bool(torch.isfinite(total).all()):  # the usual case: every value is finite
+        n = torch.full_like(total, x.numel() // total.numel())
+        lo, hi = (v.to(torch.float64) for v in torch.aminmax(values))
+        nan = inf = 0
+        finite = x.reshape(-1)
+    else:
+        ok = torch.isfinite(x)
+        n = ok.sum(dim=dims, keepdim=True, dtype=torch.float64)
+        lo, hi = torch.where(ok, x, math.inf).amin(), torch.where(ok, x, -math.inf).amax()
+        nan = int(torch.isnan(x).sum())
+        inf = x.numel() - int(n.sum()) - nan
+        finite = x[ok]
+        x.masked_fill_(~ok, 0.0)
+        total = x.sum(dim=dims, keepdim=True)
+    histogram = None
+    if bins and finite.numel():
+        histogram = Histogram.of(finite, float(lo), float(hi), bins)
+    # two passes in float64 (sum, then squared deviations): stable, and far faster than
+    # torch.var_mean's Welford loop on the CPU
+    mean = total / n.clamp(min=1)
+    x.sub_(mean)
+    if ok is not None:
+        x.masked_fill_(~ok, 0.0)
+    channels = Moments(n.flatten(), mean.flatten(), x.square_().sum(dim=dims))
+    return Summary(
+        shape=tuple(t.shape),
+        count=t.numel(),
+        nan=nan,
+        inf=inf,
+        zeros=t.numel() - values.bool().sum(dim=dims).sum(),  # summed per channel first: faster
+        lo=lo,
+        hi=hi,
+        total=channels.pooled(),
+        channels=channels,
+        histogram=histogram,
+    )
+
+
+# ---------------------------------------------------------------------------- summaries in the tap
+class Call(NamedTuple):
+    """One call of a tapped layer: when it ran, and the summaries of its float tensors."""
+
+    seq: int  # position among all recorded tensors, i.e. hook order
+    layer: str
+    call: int  # which call of the layer since the tap's last clear()
+    summaries: list[Summary]
+
+
+class Recorder:
+    """A ``reduce=`` for `layertap.tap` that summarises each tensor inside the hook.
+
+    The tap stores only a marker per tensor (its sequence number, a 0-d float64 tensor), so
+    nothing large is kept; the summaries stay here, in the order the hooks ran, for `calls`
+    to pair back with layers. Call `clear` together with the tap's ``clear()``.
+    """
+
+    def __init__(self, bins: int = 0) -> None:
+        self.bins = bins
+        self.summaries: list[Summary | None] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.summaries.append(summarize(t, self.bins))
+        return torch.tensor(len(self.summaries) - 1, dtype=torch.float64)
+
+    def clear(self) -> None:
+        self.summaries.clear()
+
+    def calls(self, view: Mapping[str, Any]) -> list[Call]:
+        """The calls recorded in ``view`` (a ``keep="all"`` tap's outputs, inputs or grads), in hook order.
+
+        Each call lists the summaries of its non-empty floating-point tensors; calls without
+        one (integer outputs) are left out.
+        """
+        found = []
+        for layer in view:
+            previous = None
+            call = 0
+            for value in view[layer]:
+                # the tap's markers are its only floating-point leaves: others are reduced
+                seqs = [int(m) for m in nested.tensors(value) if m.is_floating_point()]
+                if seqs == previous:  # a multi-tensor gradient is stored once per tensor hook
+                    continue
+                previous = seqs
+                summaries = [self.summaries[s] for s in seqs if self.summaries[s] is not None]
+                if summaries:
+                    found.append(Call(seqs[0], layer, call, summaries))
+                call += 1
+        return sorted(found)
+
+
+# ---------------------------------------------------------------------------- results
+def _item(t: torch.Tensor) -> float:
+    return float(t.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """The statistics of one layer (call position) over every value it produced.
+
+    ``mean``, ``std``, ``min`` and ``max`` are over the finite values (NaN when there are none);
+    fractions are of all values. ``channel_mean`` and ``channel_std`` are filled with
+    ``per_channel=True``; ``histogram`` is ``(counts, edges)`` with ``histogram_bins > 0``.
+    """
+
+    name: str  # the table key: the layer name, with "#call" for a layer run several times
+    layer: str
+    call: int
+    module_type: str
+    shape: tuple[int, ...]
+    count: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    zero_fraction: float
+    nan_fraction: float
+    inf_fraction: float
+    channels: int | None  # None when calls disagreed on the channel count
+    dead_channels: tuple[int, ...]
+    channel_mean: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    channel_std: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    histogram: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def nonfinite_fraction(self) -> float:
+        return self.nan_fraction + self.inf_fraction
+
+    @property
+    def absmax(self) -> float:
+        """The largest finite magnitude (NaN when there are no finite values)."""
+        return max(abs(self.min), abs(self.max))
+
+    @classmethod
+    def from_summary(
+        cls, summary: Summary, *, name: str, layer: str, call: int, module_type: str, per_channel: bool = False
+    ) -> LayerStats:
+        s = nested.map_leaves(lambda t: t.cpu(), summary)
+        n = _item(s.total.n)
+        channels = s.channels
+        per = per_channel and channels is not None
+        return cls(
+            name=name,
+            layer=layer,
+            call=call,
+            module_type=module_type,
+            shape=s.shape,
+            count=s.count,
+            mean=_item(s.total.mean) if n else math.nan,
+            std=math.sqrt(_item(s.total.m2) / n) if n else math.nan,
+            min=_item(s.lo) if n else math.nan,
+            max=_item(s.hi) if n else math.nan,
+            zero_fraction=_item(s.zeros) / s.count,
+            nan_fraction=s.nan / s.count,
+            inf_fraction=s.inf / s.count,
+            channels=None if channels is None else len(channels.n),
+            dead_channels=() if channels is None else tuple(torch.nonzero(s.dead()).flatten().tolist()),
+            channel_mean=channels.mean.numpy() if per else None,
+            channel_std=(channels.m2 / channels.n).sqrt().numpy() if per else None,
+            histogram=s.histogram.arrays() if s.histogram is not None else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values; undefined numbers (no finite values) are ``None``."""
+        out: dict[str, Any] = {
+            "layer": self.layer,
+            "call": self.call,
+            "type": self.module_type,
+            "shape": list(self.shape),
+            "count": self.count,
+            **{k: _number(getattr(self, k)) for k in ("mean", "std", "min", "max")},
+            "zero_fraction": self.zero_fraction,
+            "nan_fraction": self.nan_fraction,
+            "inf_fraction": self.inf_fraction,
+            "channels": self.channels,
+            "dead_channels": list(self.dead_channels),
+        }
+        if self.channel_mean is not None:
+            out["channel_mean"] = [_number(v) for v in self.channel_mean.tolist()]
+            out["channel_std"] = [_number(v) for v in self.channel_std.tolist()]
+        if self.histogram is not None:
+            counts, edges = self.histogram
+            out["histogram"] = {"counts": counts.tolist(), "edges": edges.tolist()}
+        return out
+
+
+def _number(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _cell(v: float) -> str:
+    return f"{v:.4g}" if math.isfinite(v) else "-"
+
+
+def _spread(values: np.ndarray | None) -> str:
+    """``lo..hi`` of per-channel values (``-`` without them)."""
+    if values is None or not np.isfinite(values).any():
+        return "-"
+    return f"{_cell(float(np.nanmin(values)))}..{_cell(float(np.nanmax(values)))}"
+
+
+def _percent(v: float) -> str:
+    return f"{100 * v:.3g}%" if v else "0"
+
+
+class StatsTable(Mapping[str, LayerStats]):
+    """The statistics of every tapped layer, in execution order; a mapping ``name -> LayerStats``.
+
+    ``print(table)`` shows a table; `to_json` / `to_dict` give the numbers. A layer *explodes*
+    when it has non-finite values or a finite magnitude above ``explode_threshold``.
+    """
+
+    def __init__(self, rows: Mapping[str, LayerStats], *, missing: list[str], explode_threshold: float) -> None:
+        self.rows = dict(rows)
+        self.missing = missing  # tapped layers that never ran or output no floating-point tensor
+        self.explode_threshold = explode_threshold
+
+    def __getitem__(self, name: str) -> LayerStats:
+        if name in self.rows:
+            return self.rows[name]
+        calls = [k for k in self.rows if k.startswith(f"{name}#")]
+        hint = f"it runs several times per forward: use one of {calls}" if calls else f"rows: {list(self.rows)[:10]}"
+        raise LayerNotFoundError(f"no statistics row {name!r}; {hint}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def dead_units(self) -> dict[str, list[int]]:
+        """``{row: [dead channel indices]}`` for the rows that have dead channels."""
+        return {k: list(r.dead_channels) for k, r in self.rows.items() if r.dead_channels}
+
+    def is_exploding(self, row: LayerStats) -> bool:
+        return row.nonfinite_fraction > 0 or row.absmax > self.explode_threshold
+
+    def exploding(self) -> list[str]:
+        """The rows with non-finite values or a finite magnitude above ``explode_threshold``."""
+        return [k for k, r in self.rows.items() if self.is_exploding(r)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "note": "mean, std, min and max are over finite values; std is the population std (ddof=0)",
+            "explode_threshold": self.explode_threshold,
+            "layers": {k: {**r.to_dict(), "exploding": self.is_exploding(r)} for k, r in self.rows.items()},
+            "dead_units": self.dead_units(),
+            "exploding": self.exploding(),
+            "missing": self.missing,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        per_channel = any(r.channel_mean is not None for r in self.rows.values())
+        head = ("layer", "type", "shape", "mean", "std", "min", "max", "zeros", "non-finite", "dead")
+        head += ("channel means", "channel stds", "flags") if per_channel else ("flags",)
+        lines = [head]
+        for key, r in self.rows.items():
+            flags = " ".join(
+                f
+                for f, on in (
+                    ("NON-FINITE", r.nonfinite_fraction > 0),
+                    ("EXPLODING", self.is_exploding(r)),
+                    ("DEAD", r.dead_channels),
+                )
+                if on
+            )
+            dead = f"{len(r.dead_channels)}/{r.channels}" if r.channels is not None else "?"
+            line = (
+                key,
+                r.module_type,
+                "x".join(map(str, r.shape)),
+                _cell(r.mean),
+                _cell(r.std),
+                _cell(r.min),
+                _cell(r.max),
+                _percent(r.zero_fraction),
+                _percent(r.nonfinite_fraction),
+                dead,
+            )
+            if per_channel:
+                line += (_spread(r.channel_mean), _spread(r.channel_std))
+            lines.append(line + (flags,))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        left = {0, 1, 2, len(head) - 1}  # text columns; numbers align right
+        text = [
+            "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+            for line in lines
+        ]
+        text.append("mean, std, min and max are over finite values (non-finite values are counted apart).")
+        if self.missing:
+            text.append(
+                f"{len(self.missing)} tapped layers have no statistics (they never ran, or output no floating-point "
+                f"tensor): {', '.join(self.missing[:10])}{' ...' if len(self.missing) > 10 else ''}"
+            )
+        return "\n".join(text)
+
+    def __repr__(self) -> str:
+        flagged = f"{len(self.exploding())} exploding, {len(self.dead_units())} with dead units"
+        return f"<layertap.StatsTable: {len(self.rows)} rows, {flagged}>"
+
+
+# ---------------------------------------------------------------------------- the entry point
+def leaf_layers(model: nn.Module) -> list[str]:
+    """Every module without submodules (the default layers of `stats`); the model itself if none."""
+    leaves = [name for name, m in named_layers(model).items() if name and next(m.children(), None) is None]
+    return leaves or [""]
+
+
+def _merge(summaries: dict[Any, Summary], key: Any, summary: Summary) -> None:
+    summaries[key] = summaries[key].merge(summary) if key in summaries else summary
+
+
+def _merge_ranks(summaries: dict[tuple[str, int], Summary]) -> dict[tuple[str, int], Summary]:
+    """Every rank's summaries merged, on every rank, when torch.distributed runs several ranks."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return summaries
+    local = {key: nested.map_leaves(lambda t: t.cpu(), s) for key, s in summaries.items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)  # a few numbers per layer: cheap on any backend
+    merged: dict[tuple[str, int], Summary] = {}
+    for part in gathered:
+        for key, summary in part.items():
+            _merge(merged, key, summary)
+    return merged
+
+
+def stats(
+    model: nn.Module,
+    data: Any,
+    layers: Layers | None = None,
+    *,
+    per_channel: bool = False,
+    histogram_bins: int = 0,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    transform: Callable[[Any], torch.Tensor] | None = None,
+    num_workers: int | None = None,
+    explode_threshold: float = 1e4,
+) -> StatsTable:
+    """Statistics of the outputs of ``layers`` over all of ``data``, in one pass and constant memory.
+
+    Args:
+        data: anything `layertap.data.iter_batches` takes: a Dataset, a DataLoader, an iterable
+            of batches, an image folder or file, a ``.npy`` array.
+        layers: a layer spec (see `layertap.select`); ``None`` (the default) taps every leaf
+            module, i.e. every module without submodules. (The glob ``"*"`` matches one
+            name segment only: the model's direct children.)
+        per_channel: also report the mean and std of each channel. (Per-channel moments are
+            accumulated anyway, at no extra pass: dead units need them.)
+        histogram_bins: ``>= 2`` adds a histogram of at most this many power-of-two-wide bins
+            (see the module docs).
+        batch_size, num_workers, transform: how ``data`` is read (see `iter_batches`; a
+            DataLoader keeps its own); image files default to the model's preprocessing
+            (`layertap.model_info`).
+        device: where to run; the model is moved there. Default: where its weights are.
+        explode_threshold: a finite magnitude above which a layer is flagged as exploding.
+
+    The model runs as it is (call ``model.eval()`` first for inference statistics), without
+    autograd. Under ``torchrun`` every rank calls `stats` on its own part of the data; the
+    ranks' summaries are gathered and merged, and every rank returns the same table.
+
+    >>> import torch, torchvision, layertap
+    >>> model = torchvision.models.resnet18().eval()
+    >>> images = torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64))
+    >>> table = layertap.stats(model, images, ["layer1", "layer4"], batch_size=4)
+    >>> table["layer4"].count, table["layer4"].min >= 0
+    (16384, True)
+    """
+    if histogram_bins and histogram_bins < 2:
+        raise ValueError(f"histogram_bins={histogram_bins}: use 0 (no histogram) or 2 or more bins")
+    names = select(model, layers) if layers is not None else leaf_layers(model)
+    device = _place(model, device)
+    recorder = Recorder(histogram_bins)
+    summaries: dict[tuple[str, int], Summary] = {}
+    transform = transform or model_info(model).transform
+    batches = iter_batches(data, batch_size=batch_size, transform=transform, num_workers=num_workers)
+    with explain_failures(model), torch.no_grad(), tap(model, names, keep="all", reduce=recorder) as taps:
+        for batch in batches:
+            run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
+            for call in recorder.calls(taps.outputs):
+                _merge(summaries, (call.layer, call.call), call.summaries[0])
+            taps.clear()
+            recorder.clear()
+    summaries = _merge_ranks(summaries)
+    repeated = {layer for layer, call in summaries if call > 0}
+    modules = named_layers(model)
+    rows = {}
+    for (layer, call), summary in summaries.items():
+        name = f"{layer}#{call}" if layer in repeated else layer
+        rows[name] = LayerStats.from_summary(
+            summary,
+            name=name,
+            layer=layer,
+            call=call,
+            module_type=type(modules[layer]).__name__,
+            per_channel=per_channel,
+        )
+    seen = {layer for layer, _ in summaries}
+    return StatsTable(rows, missing=[n for n in names if n not in seen], explode_threshold=explode_threshold)
+
+
+def _place(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Move ``model`` to ``device`` if given; the device to run on (as `extract_dataset` does)."""
+    if device is not None:
+        model.to(device)
+        return torch.device(device)
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+__all__ = [
+    "stats",
+    "StatsTable",
+    "LayerStats",
+    "leaf_layers",
+    "summarize",
+    "Summary",
+    "Recorder",
+    "Moments",
+    "Histogram",
+]

@@ -1,0 +1,345 @@
+"""`summary`: every layer of a model as one forward sees it, before you tap any.
+
+>>> import torch, torchvision, layertap
+>>> table = layertap.summary(torchvision.models.resnet18(), torch.randn(1, 3, 64, 64), depth=1)
+>>> table["layer4"].output, table["layer4"].calls
+(torch.Size([1, 512, 2, 2]), 1)
+>>> print(table)                                           # doctest: +SKIP
+Layer    Type    Input           Output           Dtype    Calls  Params  Total params  Out/sample
+(model)  ResNet  [1, 3, 64, 64]  [1, 1000]        float32      1       0    11,689,512     3.9 KiB
+conv1    Conv2d  [1, 3, 64, 64]  [1, 64, 32, 32]  float32      1   9,408         9,408   256.0 KiB
+...
+
+The forward runs once, in eval mode, without autograd, under a `layertap.tap` that keeps only the
+shape and dtype of each value (tensors are moved to the ``meta`` device inside the hook), so a
+summary costs no more memory than the forward itself. Byte figures are those the same tap would
+store for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import html
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import torch
+from torch import nn
+
+from . import nested
+from .failures import explain_failures
+from .loading import model_info
+from .select import Layers, named_layers
+from .tap import Inputs, Tap, tap
+
+_COLUMNS = ("Layer", "Type", "Input", "Output", "Dtype", "Calls", "Params", "Total params", "Out/sample")
+_NUMERIC = {"Calls", "Params", "Total params", "Out/sample"}
+_CELL_WIDTH = 44  # the text table shortens longer shape cells; to_dicts() has them whole
+
+
+@dataclasses.dataclass
+class LayerRow:
+    """One module as the forward called it (the last call when it was called several times).
+
+    ``input`` and ``output`` hold the call's structure with every tensor replaced by its
+    ``torch.Size`` (non-tensor values left out); ``None`` when the module never ran.
+    """
+
+    name: str
+    type: str
+    input: Any
+    output: Any
+    dtype: str
+    calls: int
+    params: int  # its own parameters
+    params_total: int  # with its submodules'
+    bytes: int  # output bytes of one call for the whole example batch
+    bytes_per_sample: float
+
+    @property
+    def depth(self) -> int:
+        return _depth(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        row["input"], row["output"] = _jsonable(self.input), _jsonable(self.output)
+        return row
+
+
+class LayerTable(Sequence):
+    """The rows of `summary`, in execution order; index by position or by layer name.
+
+    Prints as an aligned text table, renders as HTML in a notebook, converts with `to_dicts`
+    and `to_json`.
+    """
+
+    def __init__(
+        self, rows: list[LayerRow], model: str, params: int, trainable: int, batch_size: int
+    ) -> None:
+        self.rows = rows
+        self.model = model
+        self.params = params
+        self.trainable = trainable
+        self.batch_size = batch_size
+
+    @overload
+    def __getitem__(self, key: int | str) -> LayerRow: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[LayerRow]: ...
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            for row in self.rows:
+                if row.name == key:
+                    return row
+            shown = ", ".join(self.names[:10]) + (", ..." if len(self) > 10 else "")
+            raise KeyError(f"no layer {key!r} in this summary; its layers: {shown}")
+        return self.rows[key]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[LayerRow]:
+        return iter(self.rows)
+
+    @property
+    def names(self) -> list[str]:
+        return [row.name for row in self.rows]
+
+    @property
+    def bytes_per_sample(self) -> float:
+        """What tapping the outputs of these rows keeps per sample (last call of each)."""
+        return sum(row.bytes_per_sample for row in self.rows)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """One JSON-able dict per row; shapes become lists."""
+        return [row.to_dict() for row in self.rows]
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The table as JSON: the model's totals and ``layers``, the rows of `to_dicts`."""
+        return json.dumps(
+            {
+                "model": self.model,
+                "params": self.params,
+                "trainable_params": self.trainable,
+                "batch_size": self.batch_size,
+                "bytes_per_sample": self.bytes_per_sample,
+                "layers": self.to_dicts(),
+            },
+            indent=indent,
+        )
+
+    def _cells(self) -> list[list[str]]:
+        return [
+            [
+                row.name or "(model)",
+                row.type,
+                _show(row.input),
+                _show(row.output),
+                row.dtype or "-",
+                str(row.calls),
+                f"{row.params:,}",
+                f"{row.params_total:,}",
+                _human(row.bytes_per_sample) if row.calls else "-",
+            ]
+            for row in self.rows
+        ]
+
+    def footer(self) -> str:
+        return (
+            f"{self.model}: {self.params:,} parameters ({self.trainable:,} trainable); example batch of "
+            f"{self.batch_size}; the outputs of these {len(self)} layers take "
+            f"{_human(self.bytes_per_sample)} per sample"
+        )
+
+    def __str__(self) -> str:
+        cells = [list(_COLUMNS)] + [
+            [c if len(c) <= _CELL_WIDTH else c[: _CELL_WIDTH - 1] + "…" for c in line]
+            for line in self._cells()
+        ]
+        top = min((max(row.depth, 1) for row in self.rows), default=1)
+        for line, row in zip(cells[1:], self.rows):
+            line[0] = "  " * max(row.depth - top, 0) + line[0]  # indent by nesting
+        widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+        text = [
+            "  ".join(
+                c.rjust(w) if _COLUMNS[i] in _NUMERIC else c.ljust(w)
+                for i, (c, w) in enumerate(zip(line, widths))
+            ).rstrip()
+            for line in cells
+        ]
+        return "\n".join(text + ["", self.footer()])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        def tag(name: str, cells: list[str]) -> str:
+            aligns = ("right" if column in _NUMERIC else "left" for column in _COLUMNS)
+            row = "".join(
+                f"<{name} style='text-align:{align}'>{html.escape(c)}</{name}>"
+                for c, align in zip(cells, aligns)
+            )
+            return f"<tr>{row}</tr>"
+
+        body = "".join(tag("td", line) for line in self._cells())
+        return (
+            f"<table><caption style='caption-side:bottom'>{html.escape(self.footer())}</caption>"
+            f"<thead>{tag('th', list(_COLUMNS))}</thead><tbody>{body}</tbody></table>"
+        )
+
+
+# ---------------------------------------------------------------------------- value structure
+def _structure(value: Any) -> Any:
+    """``value`` with tensors replaced by their ``torch.Size``; non-tensor leaves are left out."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, Inputs):  # shown as a plain value when only args or only kwargs hold tensors
+        args, kwargs = _structure(tuple(value.args)), _structure(dict(value.kwargs))
+        if args and kwargs:
+            return {"args": args, "kwargs": kwargs}
+        return kwargs or (args[0] if args and len(args) == 1 else args)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):  # dicts and Hugging Face ModelOutput
+        kept = {str(k): _structure(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v is not None} or None
+    if isinstance(value, (tuple, list)):
+        kept = [s for s in map(_structure, value) if s is not None]
+        return (tuple(kept) if isinstance(value, tuple) else kept) or None
+    return None
+
+
+def _show(structure: Any) -> str:
+    if structure is None:
+        return "-"
+    if isinstance(structure, torch.Size):
+        return str(list(structure))
+    if isinstance(structure, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in structure.items()) + "}"
+    inner = ", ".join(map(_show, structure))
+    return f"({inner})" if isinstance(structure, tuple) else f"[{inner}]"
+
+
+def _jsonable(structure: Any) -> Any:
+    if isinstance(structure, dict):
+        return {k: _jsonable(v) for k, v in structure.items()}
+    if isinstance(structure, (tuple, list)):  # torch.Size included
+        return [_jsonable(v) for v in structure]
+    return structure
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1 if name else 0
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in nested.tensors(value))
+
+
+# ---------------------------------------------------------------------------- the forward
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the forward (no batch-norm statistics updated), then every flag as it was."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _start_order(taps: Tap) -> list[str]:
+    # the tap records a layer's input when its first call starts, so its input store is in
+    # execution order. TODO(core): expose this order publicly on Tap.
+    return list(taps._stores["input"].entries)
+
+
+def summary(
+    model: nn.Module,
+    *example_inputs: Any,
+    layers: Layers | None = None,
+    depth: int | None = None,
+    **example_kwargs: Any,
+) -> LayerTable:
+    """Run ``model(*example_inputs, **example_kwargs)`` once and describe each layer it called.
+
+    One row per module (or per layer of ``layers``, any `layertap.select` spec), in the order the
+    forward first called them, then any that never ran (0 calls): qualified name, class, input
+    and output shapes (nested values by structure), output dtype, number of calls, own and total
+    parameters, and bytes of the output per sample, which is what `layertap.tap` keeps for that
+    layer (its last call). ``depth`` keeps names with at most that many dotted parts (0: the
+    model itself). Without example inputs a random one comes from `layertap.model_info`.
+
+    A forward that fails raises `layertap.LayerForwardError` naming the layer, its class and
+    input shapes, with the original exception chained.
+
+    >>> import torch, layertap
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    >>> [(row.name, row.output, row.bytes_per_sample) for row in layertap.summary(model, torch.randn(2, 8))]
+    [('', torch.Size([2, 4]), 16.0), ('0', torch.Size([2, 4]), 16.0), ('1', torch.Size([2, 4]), 16.0)]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if depth is not None and depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    if not example_inputs and not example_kwargs:
+        device = next(model.parameters(), torch.empty(0)).device
+        example_inputs = (model_info(model).example().to(device),)
+    all_layers = named_layers(model)
+    if layers is None:  # the root is selected by its name only; nn.Module matches every other layer
+        layers = ["", nn.Module] if len(all_layers) > 1 else ""
+    first = nested.first_tensor((example_inputs, example_kwargs))
+    batch = first.shape[0] if first is not None and first.dim() > 0 else 1
+
+    tapped = tap(model, layers, capture=("input", "output"), keep="all", to="meta")
+    with explain_failures(model), _eval_mode(model), torch.no_grad(), tapped:
+        model(*example_inputs, **example_kwargs)
+
+    ran = _start_order(tapped)
+    started = set(ran)
+    rows = []
+    for name in ran + [name for name in tapped.names if name not in started]:
+        if depth is not None and _depth(name) > depth:
+            continue
+        module = all_layers[name]
+        outputs = tapped.outputs[name] if name in started else []
+        last_in = tapped.inputs[name][-1] if outputs else None
+        last_out = outputs[-1] if outputs else None
+        size = _nbytes(last_out)
+        rows.append(
+            LayerRow(
+                name=name,
+                type=type(module).__name__,
+                input=_structure(last_in),
+                output=_structure(last_out),
+                dtype=", ".join(
+                    sorted({str(t.dtype).removeprefix("torch.") for t in nested.tensors(last_out)})
+                ),
+                calls=len(outputs),
+                params=sum(p.numel() for p in module.parameters(recurse=False)),
+                params_total=sum(p.numel() for p in module.parameters()),
+                bytes=size,
+                bytes_per_sample=size / batch,
+            )
+        )
+    params = list(model.parameters())
+    return LayerTable(
+        rows,
+        model=type(all_layers[""]).__name__,
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        batch_size=batch,
+    )
+
+
+__all__ = ["summary", "LayerTable", "LayerRow"]

@@ -1,0 +1,110 @@
+"""``layertap cam``: overlays and raw maps written per image, predicted classes printed."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from layertap.cam import GradCAM, LayerCAM
+from layertap.cli import run
+from layertap.cli.cam import safe_names
+from layertap.images import load_image
+from layertap.loading import load_model, model_info
+
+SPEC = "torchvision:resnet18"  # random weights, the preprocessing of its published weights
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Three images: two in class folders, one with spaces and a non-ASCII name."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    files = [root / "cats" / "001.png", root / "dogs" / "001.png", root / "dogs" / "ünï cödé (1).png"]
+    for f in files:
+        f.parent.mkdir(exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(f)
+    return root
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    net = load_model(SPEC)
+    return net, model_info(net).transform
+
+
+def inputs_of(model, paths):
+    _, transform = model
+    return torch.stack([transform(load_image(p)) for p in paths])
+
+
+def test_writes_one_overlay_and_map_per_image(images, model, tmp_path, capsys):
+    torch.manual_seed(0)
+    out = tmp_path / "out"
+    assert run(["cam", SPEC, str(images), "--out", str(out), "--batch-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    # file names: folders joined by '__', unsafe characters replaced, all inside --out
+    stems = ["cats__001", "dogs__001", "dogs___n__c_d___1_"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([s + ".npy" for s in stems] + [s + ".png" for s in stems])
+    # the maps are those of the library on the same preprocessed images
+    net, _ = model
+    paths = [images / "cats" / "001.png", images / "dogs" / "001.png", images / "dogs" / "ünï cödé (1).png"]
+    x = inputs_of(model, paths)
+    cam = GradCAM(net)
+    expected = cam(x)
+    for stem, m in zip(stems, expected):
+        saved = np.load(out / f"{stem}.npy")
+        assert saved.shape == (224, 224)
+        np.testing.assert_allclose(saved, m.numpy(), atol=1e-5)
+        with Image.open(out / f"{stem}.png") as png:
+            assert png.size == (224, 224) and png.mode == "RGB"
+    with torch.no_grad():
+        top = net(x).argmax(1).tolist()
+    for rel, cls in zip(["cats/001.png", "dogs/001.png", "dogs/ünï cödé (1).png"], top):
+        assert f"{rel}: {cls} (" in printed
+    assert f"layer: {cam.layers[0]}; method: gradcam; 3 heatmaps" in printed
+
+
+def test_method_layer_target_and_size(images, model, tmp_path, capsys):
+    out = tmp_path / "out"
+    file = images / "cats" / "001.png"
+    args = ["cam", SPEC, str(file), "--out", str(out), "--method", "LayerCAM", "--layer", "layer3", "--target", "7"]
+    assert run(args + ["--size", "96,128"]) == 0
+    printed = capsys.readouterr().out
+    assert "explained class 7" in printed or ": 7 (" in printed
+    assert "layer: layer3; method: layercam" in printed
+    saved = np.load(out / "001.npy")
+    assert saved.shape == (96, 128)
+    # --size keeps the ImageNet statistics of the weights' preprocessing: rebuild it by hand
+    import torchvision.transforms as T
+
+    pipeline = T.Compose([T.Resize(int(96 / 0.875)), T.CenterCrop((96, 128)), T.ToTensor(),
+                          T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    net, _ = model
+    expected = LayerCAM(net, "layer3")(pipeline(load_image(file))[None], 7)[0]
+    np.testing.assert_allclose(saved, expected.numpy(), atol=1e-5)
+
+
+def test_usage_and_runtime_errors(images, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert run(["cam", SPEC, str(images), "--out", out, "--method", "nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    assert run(["cam", SPEC, str(images), "--out", out, "--target", "zebra"]) == 2
+    assert "neither a class index nor a class name" in capsys.readouterr().err
+    assert run(["cam", SPEC, str(images), "--out", out, "--colormap", "nope"]) == 2
+    assert "unknown colormap 'nope'" in capsys.readouterr().err
+    assert run(["cam", SPEC, str(tmp_path / "missing.png"), "--out", out]) == 2
+    assert run(["cam", "notaspec", str(images), "--out", out]) == 2
+    capsys.readouterr()
+    assert run(["cam", SPEC, str(images), "--out", out, "--layer", "layer9"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("layertap: error:") and "layer4" in err and len(err.strip().splitlines()) == 1
+
+
+def test_safe_names_never_leave_the_folder():
+    names = safe_names(["../../etc/passwd", "/abs/x.png", "a\\b.png", ".hidden.png", "A.png", "a.png", "x"])
+    assert names == ["etc__passwd", "abs__x", "a__b", "hidden", "A", "a-2", "x"]
+    for name in names:
+        assert "/" not in name and "\\" not in name and not name.startswith(".")

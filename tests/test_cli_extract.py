@@ -1,0 +1,101 @@
+"""`layertap extract`: end to end on a few hundred generated JPEGs, against layertap.extract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import layertap
+from layertap.cli import run
+from layertap.images import find_images, load_image
+from layertap.shapes import ShapesCNN, generate, save_images
+
+ARCH = "layertap.shapes:ShapesCNN"
+LAYERS = ["features.block2", "pool"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A ShapesCNN saved as a state dict, and 300 JPEGs in class folders."""
+    root = tmp_path_factory.mktemp("cli_extract")
+    torch.manual_seed(0)
+    model = ShapesCNN().eval()
+    weights = root / "weights.pt"
+    torch.save(model.state_dict(), weights)
+    save_images(generate(300, seed=5), root / "images", format="jpg")
+    return model, str(weights), root / "images", root
+
+
+def command(weights, folder, out, *extra):
+    args = ["extract", weights, str(folder), "--arch", ARCH, "--out", str(out), "--batch-size", "32"]
+    for layer in LAYERS:
+        args += ["--layers", layer]
+    return [*args, *extra]
+
+
+def test_extract_a_folder_of_jpegs_end_to_end(setup, capsys):
+    model, weights, folder, root = setup
+    out = root / "feats.zarr"
+    assert run(command(weights, folder, out, "--reduce", "mean")) == 0
+    captured = capsys.readouterr()
+    assert f"wrote 300 samples to {out} (zarr" in captured.out and "labels: 6 classes" in captured.out
+    assert "for 300 samples" in captured.err  # the size estimate
+
+    found = find_images(folder)
+    transform = layertap.model_info(model).transform  # what the command feeds the model
+    images = torch.stack([transform(load_image(p)) for p in found.paths])
+    expected = layertap.extract(model, images, LAYERS, reduce="mean")
+    with layertap.open_features(out) as store:
+        assert store.ids.tolist() == found.ids() and store.labels.tolist() == found.labels
+        assert store.meta["reduce"] == "mean"
+        for layer in LAYERS:
+            np.testing.assert_allclose(store.to_numpy(layer), expected[layer].numpy(), rtol=1e-5, atol=1e-6)
+
+    # the same command again finds the store complete; other settings are refused; --overwrite replaces
+    assert run(command(weights, folder, out, "--reduce", "mean")) == 0
+    assert "already complete" in capsys.readouterr().err
+    assert run(command(weights, folder, out, "--reduce", "max")) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reduce 'mean', now 'max'" in err and "--overwrite" in err
+    assert run(command(weights, folder, out, "--reduce", "max", "--overwrite", "--limit", "40", "--format", "zarr")) == 0
+    with layertap.open_features(out) as store:
+        assert store.num_samples == 40 and store.meta["reduce"] == "max"
+
+
+def test_on_error_skip_and_fail(setup, tmp_path, capsys):
+    _, weights, _, _ = setup
+    paths = save_images(generate(6, seed=1), tmp_path / "images", format="jpg")
+    paths[2].write_bytes(b"not a jpeg at all")
+    assert run(command(weights, tmp_path / "images", tmp_path / "a", "--format", "npy", "--on-error", "fail")) == 1
+    assert f"cannot read image {paths[2]}" in capsys.readouterr().err
+    assert run(command(weights, tmp_path / "images", tmp_path / "b.h5", "--on-error", "skip")) == 0
+    assert f"failed: {paths[2].relative_to(tmp_path / 'images').as_posix()}: UnidentifiedImageError" in capsys.readouterr().out
+    with layertap.open_features(tmp_path / "b.h5") as store:
+        assert store.format == "hdf5" and len(store.failed) == 1
+
+
+@pytest.mark.parametrize(
+    "option, value", [("--reduce", "median"), ("--format", "parquet"), ("--on-error", "ignore"), ("--dtype", "int3")]
+)
+def test_bad_options_are_usage_errors(setup, tmp_path, option, value):
+    _, weights, folder, _ = setup
+    assert run(command(weights, folder, tmp_path / "f.zarr", option, value)) == 2
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_an_unknown_layer_fails_in_one_line_before_writing(setup, tmp_path, capsys):
+    _, weights, folder, _ = setup
+    args = ["extract", weights, str(folder), "--arch", ARCH, "--layers", "features.block9", "--out", str(tmp_path / "f.zarr")]
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("layertap: error: 'features.block9' matches no layer") and err.count("\n") == 1
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_help_shows_a_runnable_example():
+    done = subprocess.run([sys.executable, "-m", "layertap", "extract", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Example: layertap extract" in done.stdout

@@ -1,0 +1,242 @@
+"""Streaming layer statistics, checked against NumPy over the concatenated activations."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from torch import nn
+
+import layertap
+from layertap.stats import Histogram, summarize
+
+RTOL = 1e-6  # the issue's bound; float64 accumulation does far better
+
+
+def close(actual, expected, scale=1.0):
+    """Relative error <= 1e-6, with an absolute floor of 1e-12 of the data's scale (a mean near 0)."""
+    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=1e-12 * scale)
+
+
+def check_row(row, values, channel_axis=None):
+    """``row`` against NumPy over ``values`` (float64): finite values for the moments."""
+    values = np.asarray(values, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    scale = np.abs(finite).max()
+    assert row.count == values.size
+    close(row.mean, finite.mean(), scale)
+    close(row.std, finite.std(), scale)
+    assert row.min == finite.min() and row.max == finite.max()
+    assert row.zero_fraction == np.mean(values == 0)
+    assert row.nan_fraction == np.mean(np.isnan(values))
+    assert row.inf_fraction == np.mean(np.isinf(values))
+    if channel_axis is not None:
+        moved = np.moveaxis(values, channel_axis, -1).reshape(-1, values.shape[channel_axis])
+        close(row.channel_mean, moved.mean(axis=0), scale)
+        close(row.channel_std, moved.std(axis=0), scale)
+        assert row.dead_channels == tuple(np.flatnonzero((moved == 0).all(axis=0)))
+
+
+class Reuse(nn.Module):
+    """A ReLU called twice per forward, a tuple output, and token-shaped activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.relu = nn.ReLU()
+        self.b = nn.Linear(5, 5)
+        self.pair = Pair()
+
+    def forward(self, x):  # x: [batch, tokens, 6]
+        h = self.relu(self.b(self.relu(self.a(x))))
+        first, _ = self.pair(h)
+        return first
+
+
+class Pair(nn.Module):
+    def forward(self, x):
+        return x * 2, torch.arange(3)  # only the first floating-point tensor counts
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18().eval()
+
+
+def test_resnet_rows_match_numpy_over_the_dataset(resnet):
+    torch.manual_seed(1)
+    images = torch.randn(6, 3, 64, 64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images), batch_size=4)  # 4 + 2
+    table = layertap.stats(resnet, loader, per_channel=True)
+    leaves = [n for n, m in resnet.named_modules() if n and not list(m.children())]
+    # every leaf, one row per call of the ReLUs reused inside each block
+    assert {r.layer for r in table.values()} == set(leaves) and table.missing == []
+    assert [k for k in table if k.startswith("layer1.0.relu")] == ["layer1.0.relu#0", "layer1.0.relu#1"]
+    assert list(table)[:4] == ["conv1", "bn1", "relu", "maxpool"]  # execution order
+    with pytest.raises(KeyError, match="runs several times"):
+        table["layer1.0.relu"]
+
+    # the reference: every call of every checked layer, captured whole by the tap, per batch
+    checked = ["conv1", "layer1.0.bn1", "layer1.0.relu", "layer2.1.bn2", "layer4.1.relu", "fc"]
+    outs = {n: [] for n in checked}
+    with torch.no_grad(), layertap.tap(resnet, checked, keep="all") as taps:
+        for (batch,) in loader:
+            resnet(batch)
+            for n in checked:
+                outs[n].append(taps.outputs[n])
+            taps.clear()
+    for name in checked:
+        calls = list(zip(*outs[name]))  # per call position: that call's output in each batch
+        for call, per_batch in enumerate(calls):
+            key = f"{name}#{call}" if len(calls) > 1 else name
+            values = torch.cat(per_batch).numpy()
+            check_row(table[key], values, channel_axis=1)
+    # the ReLU after bn1 overwrote bn1's output in place: bn1's row still saw the negative values
+    assert table["layer1.0.bn1"].min < 0 and table["layer1.0.relu#0"].min == 0
+
+
+def test_tokens_reuse_nested_outputs_and_histograms():
+    model = Reuse()
+    torch.manual_seed(2)
+    batches = [torch.randn(3, 4, 6), torch.randn(2, 7, 6) * 50, torch.randn(5, 4, 6) * 0.01]  # ranges widen then shrink
+    table = layertap.stats(model, batches, per_channel=True, histogram_bins=32)
+    assert list(table) == ["a", "relu#0", "b", "relu#1", "pair"]
+    with torch.no_grad(), layertap.tap(model, ["relu", "pair"], keep="all") as taps:
+        outs = []
+        for x in batches:
+            model(x)
+            outs.append((taps.outputs["relu"], taps.outputs["pair"][0][0]))
+            taps.clear()
+    for key, pick in (("relu#0", lambda o: o[0][0]), ("relu#1", lambda o: o[0][1]), ("pair", lambda o: o[1])):
+        tokens = np.concatenate([pick(o).reshape(-1, 5).numpy() for o in outs])  # channel: the last dim
+        check_row(table[key], tokens, channel_axis=1)
+        counts, edges = table[key].histogram
+        assert len(counts) <= 32 and counts.sum() == tokens.size
+        widths = np.diff(edges)
+        assert np.all(widths == widths[0]) and np.log2(widths[0]).is_integer()
+        np.testing.assert_array_equal(counts, np.histogram(tokens, bins=edges)[0])
+
+
+def test_histogram_merging_is_exact_in_any_order():
+    torch.manual_seed(3)
+    parts = [torch.randn(1000, dtype=torch.float64) * s + o for s, o in ((1, 0), (1e3, 5), (1e-3, -2), (7, 100))]
+    hists = [Histogram.of(p, float(p.min()), float(p.max()), 16) for p in parts]
+    forward, backward = hists[0], hists[-1]
+    for h in hists[1:]:
+        forward = forward.merge(h)
+    for h in reversed(hists[:-1]):
+        backward = backward.merge(h)
+    every = torch.cat(parts).numpy()
+    for merged in (forward, backward):
+        counts, edges = merged.arrays()
+        assert len(counts) <= 16 and counts.sum() == every.size
+        np.testing.assert_array_equal(counts, np.histogram(every, bins=edges)[0])
+    assert forward.exponent == backward.exponent and torch.equal(forward.counts, backward.counts)
+
+
+def test_stable_for_a_large_offset_and_counts_nonfinite_apart():
+    # float32 sums of squares lose everything at mean 1e4, std 1e-2; Chan merging in float64 does not
+    torch.manual_seed(4)
+    batches = [(torch.randn(64, 8) * 1e-2 + 1e4) for _ in range(5)]
+    batches[2][3, 1] = float("nan")
+    batches[4][0, 0] = float("inf")
+    batches[4][1, 2] = 0.0
+    table = layertap.stats(nn.Identity(), batches, per_channel=True)
+    values = torch.cat(batches).double().numpy()
+    row = table[""]
+    check_row(row, values)
+    assert row.nan_fraction == 1 / values.size and row.inf_fraction == 1 / values.size
+    finite = np.where(np.isfinite(values), values, np.nan)
+    close(row.channel_mean, np.nanmean(finite, axis=0), 1e4)
+    close(row.channel_std, np.nanstd(finite, axis=0), 1e4)
+    assert table.exploding() == [""]  # non-finite values flag the layer
+    assert json.loads(table.to_json())["layers"][""]["exploding"] is True
+
+
+def test_dead_channels_and_exploding_layers_are_flagged():
+    torch.manual_seed(5)
+    conv = nn.Conv2d(3, 6, 3)
+    with torch.no_grad():  # channels 1 and 4 can never fire: zero weights, negative bias
+        conv.weight[[1, 4]] = 0.0
+        conv.bias[[1, 4]] = -1.0
+    loud = nn.Linear(6, 4)
+    with torch.no_grad():
+        loud.weight.mul_(1e6)
+    model = nn.Sequential(conv, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), loud)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 3, 16, 16))
+    table = layertap.stats(model, data, batch_size=4)
+    with torch.no_grad():
+        relu = model[1](conv(data.tensors[0])).numpy()
+    reference_dead = np.flatnonzero((relu == 0).all(axis=(0, 2, 3)))
+    assert reference_dead.tolist() == [1, 4]
+    assert table.dead_units() == {"1": [1, 4], "2": [1, 4], "3": [1, 4]}  # zero after pooling too
+    assert table["0"].dead_channels == ()  # constant -1 before the ReLU: not dead
+    assert table.exploding() == ["4"]
+    text = str(table)
+    assert "2/6" in text and "DEAD" in text and "EXPLODING" in text
+    saved = json.loads(table.to_json())
+    assert saved["layers"]["1"]["dead_channels"] == [1, 4] and saved["exploding"] == ["4"]
+    assert "channel_mean" not in saved["layers"]["1"]  # per_channel=False
+
+
+def test_bad_arguments_have_clear_errors():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="histogram_bins=1"):
+        layertap.stats(model, [torch.randn(2, 2)], histogram_bins=1)
+    with pytest.raises(layertap.LayerNotFoundError, match="matches no layer"):
+        layertap.stats(model, [torch.randn(2, 2)], "1")
+    assert summarize(torch.empty(0, 3)) is None
+
+
+# ---------------------------------------------------------------------------- two Gloo ranks
+def _model():
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def _shards():
+    torch.manual_seed(7)
+    return [[torch.randn(5, 3, 8, 8), torch.randn(2, 3, 8, 8) * 4], [torch.randn(3, 3, 8, 8) + 2]]
+
+
+def _rank(rank, world, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        table = layertap.stats(_model(), _shards()[rank], per_channel=True, histogram_bins=8)
+        with open(f"{out}/{rank}.json", "w") as f:
+            f.write(table.to_json())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_merge_to_the_whole_dataset(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # spawn, not fork: a child forked after the parent used its OpenMP threads can hang
+    mp.spawn(_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    saved = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert saved[0] == saved[1]  # every rank returns the merged table
+    model = _model()
+    every = torch.cat([x for shard in _shards() for x in shard])
+    with torch.no_grad():
+        outputs = layertap.extract(model, every, ["0", "1", "3"], stop_early=False)
+    for name, values in outputs.items():
+        values = values.double().numpy()
+        row = saved[0]["layers"][name]
+        scale = np.abs(values).max()
+        assert row["count"] == values.size
+        close(row["mean"], values.mean(), scale)
+        close(row["std"], values.std(), scale)
+        assert (row["min"], row["max"]) == (values.min(), values.max())
+        channels = np.moveaxis(values, 1, -1).reshape(-1, values.shape[1])
+        close(row["channel_mean"], channels.mean(axis=0), scale)
+        close(row["channel_std"], channels.std(axis=0), scale)
+        counts, edges = row["histogram"]["counts"], row["histogram"]["edges"]
+        np.testing.assert_array_equal(counts, np.histogram(values, bins=edges)[0])
+        assert sum(counts) == values.size

@@ -1,0 +1,123 @@
+"""layertap.store: safe array names, the read-only FeatureStore, completeness."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import layertap
+from layertap.store import StoreError, StoreWriter, array_specs, format_for, remove_store, safe_name
+
+
+class OddNames(nn.Module):
+    """Layers whose names are no good as file names."""
+
+    def __init__(self):
+        super().__init__()
+        names = ["a/b", "__init__x", "A", "a", "sp ace", "c\\d"]
+        self.blocks = nn.ModuleDict({name: nn.Linear(4, 4) for name in names})
+
+    def forward(self, x):
+        return sum(block(x) for block in self.blocks.values())
+
+
+@pytest.mark.parametrize("format", ["npy", "zarr"])
+def test_layer_names_become_safe_array_names_inside_the_store(tmp_path, format):
+    torch.manual_seed(0)
+    model = OddNames().eval()
+    x = torch.randn(6, 4)
+    out = tmp_path / "store"
+    store = layertap.extract_dataset(model, x, "blocks.*", out, format=format, batch_size=3, progress=False)
+    expected = layertap.extract(model, x, "blocks.*")
+    assert list(store) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(store.to_torch(key), value)
+    paths = [spec["path"] for spec in store.meta["arrays"]]
+    assert len({p.lower() for p in paths}) == len(paths)  # distinct even on a case-insensitive disk
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert os.path.realpath(os.path.join(root, name)).startswith(os.path.realpath(out) + os.sep)
+    assert all("/" not in p.removeprefix("features/") and "\\" not in p for p in paths)
+
+
+def test_safe_names():
+    assert safe_name("layer4.1.conv2") == "layer4.1.conv2"
+    assert safe_name("") == "model"
+    assert safe_name("a/../b") == "a_.._b"
+    assert safe_name(".hidden") == "hidden"
+    assert safe_name("__x") == "layer__x"
+    specs = array_specs(
+        [("a b", None, (2,), "float32"), ("x", None, (2,), "float32"), ("a_b", 0, (3,), "float16"), ("a_b", 1, (1,), "int64"), ("A?b", None, (1,), "int8")]
+    )
+    assert [(s.key, s.path) for s in specs] == [
+        ("a b", "features/a_b"),
+        ("x", "features/x"),
+        ("a_b/0", "features/a_b-2/0"),
+        ("a_b/1", "features/a_b-2/1"),
+        ("A?b", "features/A_b-3"),
+    ]
+
+
+def test_format_from_the_path():
+    assert format_for("f.h5", None) == "hdf5"
+    assert format_for("f.zarr", None) == "zarr"
+    assert format_for("features", None) == "zarr"
+    assert format_for("features", "npy") == "npy"
+    with pytest.raises(ValueError, match="unknown format='parquet'"):
+        format_for("f", "parquet")
+
+
+def new_store(tmp_path, num_samples=10, chunk_size=4):
+    specs = array_specs([("layer", None, (3,), "float32")])
+    return StoreWriter.create(
+        tmp_path / "s.zarr", "zarr", {"settings": {}}, specs, num_samples=num_samples, chunk_size=chunk_size, ids=None, labels_dtype="int64"
+    )
+
+
+def test_a_store_is_complete_only_when_every_chunk_is_written(tmp_path):
+    writer = new_store(tmp_path)
+    writer.write_chunk(0, {"layer": np.ones((4, 3), np.float32)}, np.arange(4), [])
+    writer.write_chunk(2, {"layer": np.full((2, 3), 2, np.float32)}, np.arange(8, 10), [])
+    with pytest.raises(StoreError, match=r"chunks \[1\]"):
+        writer.finish(10)
+    writer.close()
+    with pytest.warns(UserWarning, match="incomplete"):
+        store = layertap.open_features(tmp_path / "s.zarr")
+    assert not store.complete and "INCOMPLETE" in repr(store)
+    values = store.to_numpy("layer")
+    assert (values[:4] == 1).all() and np.isnan(values[4:8]).all() and (values[8:] == 2).all()
+    assert store.labels.tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 8, 9]
+
+
+def test_the_feature_store_is_a_read_only_mapping(tmp_path):
+    writer = new_store(tmp_path, num_samples=4)
+    writer.write_chunk(0, {"layer": np.ones((4, 3), np.float32)}, np.arange(4), [])
+    writer.finish(4)
+    writer.close()
+    store = layertap.open_features(tmp_path / "s.zarr")
+    assert list(store) == ["layer"] and len(store) == 1 and store.layers == ["layer"]
+    assert store.to_torch("layer").dtype == torch.float32 and store.ids.tolist() == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="it holds \\['layer'\\]"):
+        store["other"]
+    with pytest.raises(ValueError, match="read-only"):
+        store["layer"][0] = 5
+    assert store.to_numpy("layer")[0, 0] == 1
+
+
+def test_anything_that_is_not_a_store_is_refused(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "data.txt").write_text("mine")
+    with pytest.raises(StoreError, match="no layertap feature store"):
+        layertap.open_features(tmp_path / "folder")
+    with pytest.raises(StoreError, match="not a layertap feature store"):
+        remove_store(tmp_path / "folder")
+    import zarr
+
+    zarr.open_group(str(tmp_path / "other.zarr"), mode="w")  # a Zarr group of someone else's
+    with pytest.raises(StoreError, match="not a layertap feature store"):
+        remove_store(tmp_path / "other.zarr")
+    assert (tmp_path / "folder" / "data.txt").exists() and (tmp_path / "other.zarr").exists()
