@@ -336,8 +336,10 @@ class CAM:
         if torch.is_inference_mode_enabled():
             raise LayertapError("heatmaps need autograd: call the method outside torch.inference_mode()")
         size = tuple(inputs.shape[2:])
-        if self.layers is None:
-            self.layers = [self._default_layer(inputs, targets)]
+        if self.layers is None:  # one image is enough to find the layer: the probe is a full backward
+            per_image = isinstance(targets, (list, tuple)) or (isinstance(targets, torch.Tensor) and targets.dim())
+            first = targets[:1] if per_image else targets
+            self.layers = [self._default_layer(inputs[:1], first)]
         acts, grads, call = self._run(inputs, targets)
         maps = []
         with torch.autocast(inputs.device.type, enabled=False):

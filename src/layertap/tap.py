@@ -293,6 +293,8 @@ class Tap(Mapping):
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             replaced = None
+            # the edit runs first: what it returns is what flows on, is captured and gets the
+            # gradient hooks (heatmaps rely on this to turn autograd on at their layer)
             if edit is not None:
                 new = edit(name, output)
                 if new is not None:
