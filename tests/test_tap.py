@@ -555,3 +555,15 @@ def test_dataparallel_replicas_are_gathered_in_batch_order():
     with layertap.tap(model, "layer4", capture="grad") as ref:
         model(x).sum().backward()
     torch.testing.assert_close(t.grads["layer4"], ref.grads["layer4"])
+
+
+def test_keep_all_grads_of_a_multi_tensor_output_are_one_entry_per_call():
+    model = nn.Sequential(Nested("tuple"))
+    with layertap.tap(model, "0", capture="grad", keep="all") as t:
+        for _ in range(2):
+            a, b, _ = model(torch.randn(3, 4))
+            (a.sum() + 3 * b.sum()).backward()
+    grads = t.grads["0"]
+    assert len(grads) == 2
+    for g in grads:
+        assert torch.all(g[0] == 1) and torch.all(g[1] == 3) and g[2] is None

@@ -279,14 +279,10 @@ class Recorder:
         """
         found = []
         for layer in view:
-            previous = None
             call = 0
             for value in view[layer]:
                 # the tap's markers are its only floating-point leaves: others are reduced
                 seqs = [int(m) for m in nested.tensors(value) if m.is_floating_point()]
-                if seqs == previous:  # a multi-tensor gradient is stored once per tensor hook
-                    continue
-                previous = seqs
                 summaries = [self.summaries[s] for s in seqs if self.summaries[s] is not None]
                 if summaries:
                     found.append(Call(seqs[0], layer, call, summaries))

@@ -72,11 +72,12 @@ class _Slot:
 class _Grads:
     """The gradients of one call's tensors, filled by tensor hooks as backward reaches them."""
 
-    __slots__ = ("skeleton", "slots")
+    __slots__ = ("skeleton", "slots", "stored")
 
     def __init__(self, skeleton: Any, size: int) -> None:
         self.skeleton = skeleton
         self.slots: list[Any] = [None] * size
+        self.stored = False  # stored once; later tensors' gradients fill the same object
 
     def value(self) -> Any:
         return nested.map_leaves(lambda s: self.slots[s.index], self.skeleton, leaf=_Slot)
@@ -393,7 +394,9 @@ class Tap(Mapping):
 
             def on_grad(g: torch.Tensor) -> None:
                 grads.slots[i] = transform(g)
-                self._put(store, name, index, grads, [], part)
+                if not grads.stored:
+                    grads.stored = True
+                    self._put(store, name, index, grads, [], part)
 
             t.register_hook(on_grad)
             return t
