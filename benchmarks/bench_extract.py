@@ -3,7 +3,7 @@
 On the same generated JPEGs and the same DataLoader, one full pass each, interleaved round by
 round; the table reports the best (minimum) time of each and its throughput relative to the
 plain loop, which only runs the whole model and keeps nothing (the limit for a late layer).
-Then layertap's peak memory (ru_maxrss of a fresh process) for 1x and 10x the samples.
+Then layertap's peak memory (of a fresh process) for 1x and 10x the samples.
 
     python benchmarks/bench_extract.py                      # resnet50, 256 JPEGs, 3 rounds
     python benchmarks/bench_extract.py --rounds 15 --size 224
@@ -157,7 +157,16 @@ def memory_child(folder: str, size: int, batch_size: int, workers: int, repeat: 
         plain(model, loader, layer, Path(out))
     else:
         layertap.extract_dataset(model, loader, layer, out, overwrite=True, progress=False)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(peak_rss_kb())
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident memory: VmHWM on Linux (ru_maxrss would also count the
+    parent's peak, which Linux keeps across fork and exec)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        return int(next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("VmHWM")))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1 if sys.platform != "darwin" else 1024)
 
 
 def peak_memory_mb(args, folder: Path, scratch: Path, repeat: int, layer: str) -> float:
@@ -186,7 +195,7 @@ def main() -> None:
         if not args.memory_only:
             throughput(args, folder, scratch)
         if not args.skip_memory:
-            print("\npeak memory, fresh process each (ru_maxrss):")
+            print("\npeak memory, fresh process each (VmHWM):")
             print(f"  plain loop, {args.n} samples: {peak_memory_mb(args, folder, scratch, 1, 'plain'):8.1f} MB")
             small, large = (peak_memory_mb(args, folder, scratch, repeat, EARLY) for repeat in (1, 10))
             print(f"  layertap {EARLY} (unreduced), {args.n:>5} samples: {small:8.1f} MB")

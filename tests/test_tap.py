@@ -567,3 +567,21 @@ def test_keep_all_grads_of_a_multi_tensor_output_are_one_entry_per_call():
     assert len(grads) == 2
     for g in grads:
         assert torch.all(g[0] == 1) and torch.all(g[1] == 3) and g[2] is None
+
+
+def test_a_new_tap_reuses_what_earlier_taps_learned_about_in_place_ops():
+    model = torchvision.models.resnet18().eval()
+    layers = ["layer1.0.bn1", "layer1.0.conv1"]  # bn1 is followed by an in-place ReLU
+    with torch.no_grad(), layertap.tap(model, layers) as first:
+        model(torch.randn(1, 3, 32, 32))
+    assert first._copy == {("output", "layer1.0.bn1"): True, ("output", "layer1.0.conv1"): False}
+    second = layertap.tap(model, layers)
+    assert second._copy == first._copy  # no blanket copy on the new tap's first forward
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), second:
+        model(x)
+    with torch.no_grad():
+        h = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        conv = model.layer1[0].conv1(h)
+        torch.testing.assert_close(second["layer1.0.conv1"], conv)
+        torch.testing.assert_close(second["layer1.0.bn1"], model.layer1[0].bn1(conv))

@@ -179,16 +179,40 @@ def _to_host(arrays: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
 
 # ------------------------------------------------------------------------------ the writer
 class _Chunk:
-    """The rows of one chunk received so far (a chunk that a batch does not cover whole)."""
+    """The rows of one chunk that no single batch covers, gathered until the chunk is whole.
+
+    Its arrays are reused for the next such chunk: allocating big buffers again and again, in a
+    thread, fragments the heap, which would make the process grow with the data.
+    """
 
     def __init__(self, specs: list[ArraySpec], labels_dtype: str | None, length: int) -> None:
-        self.arrays = {s.key: np.full((length, *s.shape), _fill_value(s.dtype), dtype=s.dtype) for s in specs}
-        self.labels = None if labels_dtype is None else np.full(length, _fill_value(labels_dtype), dtype=labels_dtype)
-        self.length, self.count = length, 0
+        self.arrays = {s.key: np.empty((length, *s.shape), dtype=s.dtype) for s in specs}
+        self.labels = None if labels_dtype is None else np.empty(length, dtype=labels_dtype)
+        self.length = length
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
         self.failed: list[Failure] = []
 
+    def put(self, at: np.ndarray, arrays: dict[str, np.ndarray], rows: slice, labels: np.ndarray | None) -> None:
+        for key, a in arrays.items():
+            self.arrays[key][at] = a[rows]
+        if self.labels is not None:
+            self.labels[at] = labels[rows] if labels is not None else _fill_value(self.labels.dtype)
+        self.count += len(at)
 
-def _fill_value(dtype: str) -> Any:
+    def fail(self, at: int, failure: Failure) -> None:
+        for a in self.arrays.values():
+            a[at] = _fill_value(a.dtype)
+        if self.labels is not None:
+            self.labels[at] = _fill_value(self.labels.dtype)
+        self.failed.append(failure)
+        self.count += 1
+
+
+def _fill_value(dtype: Any) -> Any:
+    # rows of samples that failed to load: NaN (floats), -1 (signed integers) or 0
     kind = np.dtype(dtype).kind
     return np.nan if kind in "fc" else -1 if kind == "i" else 0
 
@@ -203,6 +227,7 @@ class _Sink:
     def __init__(self, writer: StoreWriter) -> None:
         self.writer = writer
         self.chunks: dict[int, _Chunk] = {}
+        self.spare: _Chunk | None = None  # a written chunk's buffers, for the next one
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(QUEUE_DEPTH)
         self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
@@ -229,7 +254,11 @@ class _Sink:
     def _chunk(self, c: int) -> _Chunk:
         if c not in self.chunks:
             start, end = self.writer.chunk_range(c)
-            self.chunks[c] = _Chunk(self.writer.specs, self.writer.meta["labels"], end - start)
+            spare, self.spare = self.spare, None
+            if spare is None or spare.length != end - start:
+                spare = _Chunk(self.writer.specs, self.writer.meta["labels"], end - start)
+            spare.reset()
+            self.chunks[c] = spare
         return self.chunks[c]
 
     def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[Failure], event: Any) -> None:
@@ -250,19 +279,12 @@ class _Sink:
                     part = None if label_array is None else label_array[rows]
                     self.writer.write_chunk(c, {k: a[rows] for k, a in arrays.items()}, part, [])
                     continue
-                chunk = self._chunk(c)
-                at = index[rows] - start
-                for key, a in arrays.items():
-                    chunk.arrays[key][at] = a[rows]
-                if chunk.labels is not None and label_array is not None:
-                    chunk.labels[at] = label_array[rows]
-                chunk.count += hi - lo
+                self._chunk(c).put(index[rows] - start, arrays, rows, label_array)
                 touched.add(c)
         for f in failed:
-            chunk = self._chunk(f.index // size)
-            chunk.failed.append(f)
-            chunk.count += 1
-            touched.add(f.index // size)
+            c = f.index // size
+            self._chunk(c).fail(f.index - c * size, f)
+            touched.add(c)
         for c in sorted(touched):
             if self.chunks[c].count == self.chunks[c].length:
                 self._write(c, self.chunks[c].length)
@@ -271,6 +293,7 @@ class _Sink:
         chunk = self.chunks.pop(c)
         labels = None if chunk.labels is None else chunk.labels[:rows]
         self.writer.write_chunk(c, {k: a[:rows] for k, a in chunk.arrays.items()}, labels, chunk.failed)
+        self.spare = chunk
 
     def close(self, end: int | None) -> None:
         """Write what is queued; ``end``: the data ended there, so its last chunk is complete.

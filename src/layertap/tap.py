@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
@@ -50,6 +51,10 @@ class Inputs(NamedTuple):
 
     args: tuple
     kwargs: dict
+
+
+# module -> {kind: whether a later in-place op changed its value}, shared by every tap
+_LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 class _StopForward(Exception):
@@ -189,8 +194,11 @@ class Tap(Mapping):
         self._restore: contextlib.ExitStack | None = None
         self._calls: dict[str, int] = {}  # calls counted per layer since clear()
         self._fired: set[str] = set()
-        # (kind, name) -> None: unknown yet, True: changed in place downstream, so copy; False: guard
-        self._copy: dict[tuple[str, str], bool | None] = {}
+        # (kind, name) -> None: unknown yet, True: changed in place downstream, so copy; False: guard.
+        # What earlier taps learned about a module is reused: it is a property of the model's code.
+        self._copy: dict[tuple[str, str], bool | None] = {
+            (kind, name): _LEARNED.get(self._layers[name], {}).get(kind) for kind in kinds for name in self.names
+        }
         self._pending: list[tuple[tuple[str, str], torch.Tensor, int]] = []
 
     def _resolve_edits(self, edit: Edit) -> dict[str, Callable[[str, Any], Any]]:
@@ -259,8 +267,13 @@ class Tap(Mapping):
     def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         for key, original, version in self._pending:
             if self._copy.get(key) is not True:
-                self._copy[key] = original._version != version
+                self._learn(key, original._version != version)
         self._pending.clear()
+
+    def _learn(self, key: tuple[str, str], changed: bool) -> None:
+        kind, name = key
+        self._copy[key] = changed
+        _LEARNED.setdefault(self._layers[name], {})[kind] = changed
 
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
@@ -420,7 +433,7 @@ class Tap(Mapping):
         values = []
         for _, value, guards in entries:
             if any(t._version != v for t, v in guards):
-                self._copy[(kind, layer)] = True
+                self._learn((kind, layer), True)
                 raise TapError(
                     f"the {kind} of layer {layer!r} was changed in place after it was captured "
                     "(a later in-place op in the forward) and is lost for that forward; layertap "
