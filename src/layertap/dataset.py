@@ -5,8 +5,8 @@ How it stays as fast as the model and as small as one batch:
 - one `layertap.tap` is kept for the whole run with ``stop_early=True``, so the network runs only
   up to the last chosen layer, and ``reduce``/``dtype`` shrink features on the device;
 - on a GPU, features are copied to the host without blocking, into pinned memory; a background
-  thread assembles rows into whole chunks and writes them while the model runs the next batch;
-  a bounded queue keeps at most a few batches in flight, whatever the size of the dataset;
+  thread assembles rows into whole chunks and writes them while the model runs the next batch,
+  and takes a new batch only when idle: two batches at most are held, whatever the data;
 - chunks are a whole number of batches, so a resumed run cuts the same batches as a full one;
   each chunk's completion marker is written after its data (see `layertap.store`).
 
@@ -43,7 +43,7 @@ from . import nested
 from .controls import Reduce, reducer
 from .data import Batch, DataSource, Failure, OnError, open_data
 from .failures import explain_failures
-from .features import run_model
+from .features import place_model, run_model
 from .loading import model_info
 from .select import Layers, select
 from .store import (
@@ -61,7 +61,6 @@ from .tap import Tap, tap
 
 CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
 MAX_CHUNK = 4096  # samples: also the granularity of resuming
-QUEUE_DEPTH = 2  # batches waiting for the writer
 
 
 # ----------------------------------------------------------------------------------- settings
@@ -220,8 +219,10 @@ def _fill_value(dtype: Any) -> Any:
 class _Sink:
     """Writes features from a background thread: rows go into whole chunks, chunks onto disk.
 
-    The queue holds at most `QUEUE_DEPTH` batches, so memory does not grow with the data; a
-    failure in the thread is raised in the caller at its next `put` or at `close`.
+    A batch is handed over only when the thread is idle, so while it writes batch k the model
+    computes batch k+1, and no more than those two are ever held, whatever the size of the data
+    and the speed of the disk. A failure in the thread is raised in the caller at its next
+    `put` or at `close`.
     """
 
     def __init__(self, writer: StoreWriter) -> None:
@@ -229,27 +230,30 @@ class _Sink:
         self.chunks: dict[int, _Chunk] = {}
         self.spare: _Chunk | None = None  # a written chunk's buffers, for the next one
         self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = threading.Semaphore(1)
         self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
         self.thread.start()
 
     def put(self, index: np.ndarray, arrays: dict[str, torch.Tensor], labels: torch.Tensor | None, failed: list[Failure]) -> None:
-        host, event = _to_host(arrays)
-        item = (index, host, labels, failed, event)
-        while True:
+        host, event = _to_host(arrays)  # on a GPU the copy runs while we wait
+        while not self.idle.acquire(timeout=0.1):
             if self.error is not None:
                 raise self.error
-            with contextlib.suppress(queue.Full):
-                self.queue.put(item, timeout=0.1)
-                return
+        if self.error is not None:
+            raise self.error
+        self.queue.put((index, host, labels, failed, event))
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            if self.error is None:
-                try:
+            try:
+                if self.error is None:
                     self._add(*item)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    self.error = e
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.error = e
+            finally:
+                del item
+                self.idle.release()
 
     def _chunk(self, c: int) -> _Chunk:
         if c not in self.chunks:
@@ -427,13 +431,6 @@ def _say(enabled: bool, message: str) -> None:
         tqdm.write(f"layertap: {message}", file=sys.stderr)  # above a running bar, not through it
 
 
-def _place(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        model.to(device)
-        return torch.device(device)
-    tensor = next(model.parameters(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
 
 def extract_dataset(
     model: nn.Module,
@@ -495,7 +492,7 @@ def extract_dataset(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     out = Path(out)
     fmt = format_for(out, format)
-    run_device = _place(model, device)
+    run_device = place_model(model, device)
     transform = transform or model_info(model).transform
     source = open_data(
         data,

@@ -25,6 +25,15 @@ def run_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def place_model(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Move ``model`` to ``device`` if given; return the device its inputs should go to."""
+    if device is not None:
+        model.to(device)
+        return torch.device(device)
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 def extract(
     model: nn.Module,
     inputs: Any,

@@ -49,7 +49,7 @@ from . import nested
 from .errors import LayerNotFoundError
 from .data import iter_batches
 from .failures import explain_failures
-from .features import run_model
+from .features import place_model, run_model
 from .loading import model_info
 from .select import Layers, named_layers, select
 from .tap import tap
@@ -574,7 +574,7 @@ def stats(
     if histogram_bins and histogram_bins < 2:
         raise ValueError(f"histogram_bins={histogram_bins}: use 0 (no histogram) or 2 or more bins")
     names = select(model, layers) if layers is not None else leaf_layers(model)
-    device = _place(model, device)
+    device = place_model(model, device)
     recorder = Recorder(histogram_bins)
     summaries: dict[tuple[str, int], Summary] = {}
     transform = transform or model_info(model).transform
@@ -603,14 +603,6 @@ def stats(
     seen = {layer for layer, _ in summaries}
     return StatsTable(rows, missing=[n for n in names if n not in seen], explode_threshold=explode_threshold)
 
-
-def _place(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    """Move ``model`` to ``device`` if given; the device to run on (as `extract_dataset` does)."""
-    if device is not None:
-        model.to(device)
-        return torch.device(device)
-    tensor = next(model.parameters(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 __all__ = [

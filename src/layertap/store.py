@@ -348,6 +348,19 @@ def _open_backend(path: Path, mode: str, format: str | None = None) -> _Backend:
 
 
 # -------------------------------------------------------------------------------- writing
+STORAGE_CHUNK_BYTES = 4 << 20
+
+
+def storage_rows(chunk_size: int, sample_bytes: int) -> int:
+    """Samples per stored (compressed) chunk of an array: a divisor of ``chunk_size`` of at most
+    about 4 MB, so that a chunk of writing never shares a stored chunk with another, and big
+    feature maps are compressed in pieces of a size that codecs and readers handle well."""
+    rows = max(1, min(chunk_size, STORAGE_CHUNK_BYTES // max(1, sample_bytes)))
+    while chunk_size % rows:
+        rows -= 1
+    return rows
+
+
 def _fill(dtype: np.dtype) -> Any:
     # rows of samples that failed to load read as NaN (floats), -1 (signed ints) or 0
     if dtype.kind in "fc":
@@ -406,7 +419,7 @@ class StoreWriter:
             backend.write_meta({**meta, "ready": False})  # first: a half-made store is known as ours
             for spec in specs:
                 dtype = np.dtype(spec.dtype)
-                backend.create(spec.path, (rows, *spec.shape), dtype, chunk_size, _fill(dtype))
+                backend.create(spec.path, (rows, *spec.shape), dtype, storage_rows(chunk_size, spec.sample_bytes), _fill(dtype))
             if labels_dtype is not None:
                 dtype = np.dtype(labels_dtype)
                 backend.create("labels", (rows,), dtype, chunk_size, _fill(dtype))
