@@ -303,8 +303,11 @@ class _NpyBackend(_Backend):
                 offset = f.tell()
             self._files[name] = (fd, offset, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
         fd, offset, row = self._files[name]
-        data = np.ascontiguousarray(data)
-        os.pwrite(fd, memoryview(data).cast("B"), offset + start * row)
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        at = offset + start * row
+        while view:  # pwrite may write less than asked (at most 2 GB a call on Linux)
+            written = os.pwrite(fd, view, at)
+            view, at = view[written:], at + written
 
     def resize(self, name: str, n: int) -> None:
         raise StoreError("npy arrays cannot grow: use format='zarr' or 'hdf5' for data of unknown length")
