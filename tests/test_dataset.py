@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,8 @@ from layertap.data import DataError, image_to_tensor
 from layertap.images import find_images, load_image
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
+
+import slow_model
 
 FORMATS = {"zarr": "feats.zarr", "hdf5": "feats.h5", "npy": "feats"}
 
@@ -237,35 +238,12 @@ def test_a_corrupt_jpeg_is_recorded_and_skipped(resnet, folder_with_corrupt_jpeg
 
 
 # ----------------------------------------------------------------------------- resuming
-KILLED_RUN = """
-import sys, time, torch, layertap
-
-class Slow(torch.nn.Module):
-    '''A small CNN that says when each batch starts, and takes its time over it.'''
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3))
-        self.pool = torch.nn.AdaptiveAvgPool2d(1)
-    def forward(self, x):
-        print("batch", flush=True)
-        time.sleep(0.1)
-        return self.pool(self.conv(x))
-
-if __name__ == "__main__":
-    data, out, fmt = sys.argv[1:4]
-    layertap.extract_dataset(Slow(), data, ["conv", "pool"], out, format=fmt, batch_size=4, chunk_size=8, progress=False)
-"""
-
-
 @pytest.mark.parametrize("format", ["zarr", "hdf5"])  # the default, and the format least safe from crashes
 def test_a_run_killed_by_sigkill_resumes_to_the_same_store(tmp_path, format):
-    script = tmp_path / "killed_run.py"
-    script.write_text(textwrap.dedent(KILLED_RUN))
     data = tmp_path / "x.npy"
     np.save(data, np.random.default_rng(0).standard_normal((60, 3, 32, 32), dtype=np.float32))
     out = tmp_path / FORMATS[format]
-    proc = subprocess.Popen([sys.executable, str(script), str(data), str(out), format], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, slow_model.__file__, str(data), str(out), format], stdout=subprocess.PIPE, text=True)
     started = 0
     while started < 9:  # 15 batches in all: kill it in the middle
         line = proc.stdout.readline()
@@ -275,12 +253,7 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_store(tmp_path, format):
     proc.wait()
     proc.stdout.close()
 
-    sys.path.insert(0, str(tmp_path))
-    try:
-        from killed_run import Slow
-    finally:
-        sys.path.remove(str(tmp_path))
-    model = Slow()
+    model = slow_model.Slow()
     batches = []
     model.register_forward_pre_hook(lambda m, args: batches.append(len(args[0])))
     writer = StoreWriter.open(out)
@@ -324,7 +297,7 @@ def test_missing_chunks_are_dealt_out_to_processes_without_overlap(resnet, tmp_p
     writer.meta["complete"] = False
     for chunk in (1, 3, 5):  # forget three chunks, as a run killed in the middle would
         writer.backend.root["_chunks"][chunk] = ""
-    plans = [dataset_module._plan(writer, rank, 2)[0] for rank in range(2)]
+    plans = [dataset_module._plan(writer, writer.done(), rank, 2) for rank in range(2)]
     writer.close()
     assert plans[0].tolist() == [4, 5, 6, 7, 20, 21]  # chunks 1 and 5 (the last, partial)
     assert plans[1].tolist() == [12, 13, 14, 15]  # chunk 3

@@ -150,8 +150,11 @@ def test_non_finite_features_are_shown_not_hidden(plain):
 
 @pytest.fixture(scope="module")
 def torchvision_store(shapes):
-    """resnet18 (random weights) over 12 of the shapes images, as `layertap extract` writes it."""
+    """resnet18 over 12 of the shapes images, as `layertap extract` writes it, with weights that
+    its spec does not rebuild (a fine-tuned model: the spec's random weights are seeded)."""
     model = layertap.load_model("torchvision:resnet18")
+    with torch.no_grad():
+        model.fc.bias += 1
     path = shapes / "resnet.zarr"
     layertap.extract_dataset(model, shapes / "images", ["layer1", "layer4", "fc"], path, reduce="mean", limit=12, progress=False, num_workers=0)
     return path, model
@@ -171,7 +174,7 @@ def test_report_of_a_torchvision_store(torchvision_page):
     assert printed.strip() == f"report: {page}"
     found = sections(page.read_text())
     assert list(found) == HEADINGS
-    # the spec loads resnet18 with new random weights: its layers, but not its heatmaps
+    # the spec loads resnet18 with other weights: its layers, but not its heatmaps
     assert "layer4.1.conv2" in found["Layers of the model"] and "its weights are not those that wrote the store" in found["Layers of the model"]
     assert "Not shown: the model&#x27;s weights are not those that wrote the store" in found["Heatmaps"]
     assert re.findall(r"aria-label='([^']+)'", found["Features in 2-D (PCA)"]) == ["layer1", "layer4", "fc"]

@@ -232,6 +232,10 @@ class DataSource:
     """The transform applied to image files (``None`` when the data is not image files)."""
     batch_size: int | None = None
     """Samples per batch (``None`` when the batches come as they are)."""
+    root: Path | None = None
+    """The folder that image ids are relative to (``None`` when the data is not image files)."""
+    classes: list[str] | None = None
+    """The class names that labels index (an image folder's class sub-folders)."""
 
     def __len__(self) -> int:
         if self.num_samples is None:
@@ -403,6 +407,7 @@ def open_data(
             **common,
         )
         source.transform = dataset.transform
+        source.root, source.classes = images.root.absolute(), images.classes
         return source
     if isinstance(data, DataLoader):
         if isinstance(data.sampler, RandomSampler):

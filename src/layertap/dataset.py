@@ -8,7 +8,9 @@ How it stays as fast as the model and as small as one batch:
   thread assembles rows into whole chunks and writes them while the model runs the next batch,
   and takes a new batch only when idle: two batches at most are held, whatever the data;
 - chunks are a whole number of batches, so a resumed run cuts the same batches as a full one;
-  each chunk's completion marker is written after its data (see `layertap.store`).
+  each chunk's completion marker is written after its data (see `layertap.store`);
+- under ``torchrun`` the chunks still to write are dealt out to the processes in turn, and each
+  writes its own into the one store (see `layertap.distributed`).
 
 >>> import torch, torchvision, layertap
 >>> model = torchvision.models.resnet18()
@@ -22,6 +24,7 @@ How it stays as fast as the model and as small as one batch:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import hashlib
 import itertools
@@ -42,6 +45,7 @@ from torch import nn
 from . import nested
 from .controls import Reduce, reducer
 from .data import Batch, DataSource, Failure, OnError, open_data
+from .distributed import Processes, job, launched, rank_device
 from .failures import explain_failures
 from .features import place_model, run_model
 from .loading import model_info
@@ -216,6 +220,30 @@ def _fill_value(dtype: Any) -> Any:
     return np.nan if kind in "fc" else -1 if kind == "i" else 0
 
 
+class _HeapTrimmer:
+    """Hands the C heap's free memory back to the system (glibc on Linux; elsewhere a no-op)
+    after every ``every`` bytes of features that went through the writer.
+
+    Batches of features are allocated by the model's thread and freed by the writer's, among the
+    codec's buffers; glibc keeps such freed memory, fragmented, and the process would creep up
+    to a plateau well above its working size. A trim costs a few ms and holds the heap's lock,
+    so it is done per amount of data, not per batch (Dask's workers trim the same way).
+    """
+
+    def __init__(self, every: int = 16 << 20) -> None:
+        self.every, self.since = every, 0
+        try:
+            self.trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self.trim = None
+
+    def __call__(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.trim is not None and self.since >= self.every:
+            self.trim(0)
+            self.since = 0
+
+
 class _Sink:
     """Writes features from a background thread: rows go into whole chunks, chunks onto disk.
 
@@ -232,6 +260,7 @@ class _Sink:
         self.error: BaseException | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.idle = threading.Semaphore(1)
+        self.trim = _HeapTrimmer()
         self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
         self.thread.start()
 
@@ -246,6 +275,7 @@ class _Sink:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
+            nbytes = sum(t.nbytes for t in item[1].values())
             try:
                 if self.error is None:
                     self._add(*item)
@@ -253,6 +283,7 @@ class _Sink:
                 self.error = e
             finally:
                 del item
+                self.trim(nbytes)
                 self.idle.release()
 
     def _chunk(self, c: int) -> _Chunk:
@@ -355,17 +386,16 @@ def _chunk_size(batch: int, sample_bytes: int, chunk_size: int | None) -> int:
     return max(batch, min(MAX_CHUNK // batch * batch, batch * batches))
 
 
-def _plan(writer: StoreWriter, rank: int = 0, world: int = 1) -> tuple[np.ndarray | None, set[int]]:
-    """The samples of the chunks still to write that process ``rank`` of ``world`` takes, and the
-    chunks already written. The missing chunks are dealt out in turn, so processes never share a
-    chunk; the samples are ``None`` when the data's length is unknown (it is read through)."""
-    done = set(writer.done())
+def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 1) -> np.ndarray | None:
+    """The samples of the chunks not ``done`` that process ``rank`` of ``world`` takes: the missing
+    chunks are dealt out in turn, so processes never share a chunk and get as many as one another.
+    ``None`` when the data's length is unknown (it is read through)."""
     if writer.num_samples is None:
-        return None, done
-    size, n = writer.chunk_size, writer.num_samples
+        return None
+    size, n, done = writer.chunk_size, writer.num_samples, set(done)
     missing = [c for c in range(writer.num_chunks) if c not in done][rank::world]
     parts = [np.arange(c * size, min(n, (c + 1) * size), dtype=np.int64) for c in missing]
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), done
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _open_existing(out: Path, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
@@ -492,6 +522,13 @@ def extract_dataset(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     out = Path(out)
     fmt = format_for(out, format)
+    _, world, local_rank = launched()
+    if world > 1 and fmt == "hdf5":
+        raise StoreError(
+            f"{world} processes cannot write one HDF5 file ({out}): HDF5 takes one writer at a time. Write "
+            "Zarr (the default: --out feats.zarr), or npy; both take a writer per process"
+        )
+    device = rank_device(device, local_rank, world)
     run_device = place_model(model, device)
     transform = transform or model_info(model).transform
     source = open_data(
@@ -505,54 +542,112 @@ def extract_dataset(
     )
     if source.num_samples == 0:
         raise StoreError(f"{source.description} holds no samples")
-    settings = _settings(model, names, reduce, dtype, source)
-    writer = _open_existing(out, format, settings, resume, overwrite)
-    if writer is not None and writer.meta["complete"]:
-        writer.close()
-        _say(progress, f"{out} is already complete")
-        return FeatureStore(out)
-    meta = {
-        "model": model_info(model).spec or type(model).__name__,
-        "layers": names,
-        "reduce": _describe(reduce),
-        "dtype": settings["dtype"],
-        "data": source.description,
-        "settings": settings,
-        "settings_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
-        "versions": _versions(fmt),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, fmt, meta, progress, chunk_size)
-    try:
-        run.extract(writer)
-    finally:
-        if run.writer is not None:
-            run.writer.close()
+    if world > 1 and source.num_samples is None:
+        raise StoreError(
+            f"{source.description} does not say its length, so {world} processes cannot share it out: "
+            "give a Dataset, a DataLoader over one, an image folder or a .npy array"
+        )
+    with job(device) as procs:
+        settings = _settings(model, names, reduce, dtype, source)
+        _check_same_everywhere(procs, settings)
+        meta = {
+            "model": model_info(model).spec or type(model).__name__,
+            "layers": names,
+            "reduce": _describe(reduce),
+            "dtype": settings["dtype"],
+            "data": source.description,
+            "root": str(source.root) if source.root is not None else None,
+            "classes": source.classes,
+            "settings": settings,
+            "settings_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
+            "versions": _versions(fmt),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, fmt, meta, progress, chunk_size, procs)
+        try:
+            run.extract(lambda: _open_existing(out, format, settings, resume, overwrite))
+        finally:
+            if run.writer is not None:
+                run.writer.close()
     return FeatureStore(out)
 
 
-class _Run:
-    """One extraction: plan the chunks to do, run the batches, create the store at the first one."""
+def _check_same_everywhere(procs: Processes, settings: dict) -> None:
+    """Refuse a job whose processes would write different things into one store."""
+    for rank, theirs in enumerate(procs.gather(settings)):
+        changed = [k for k in settings if theirs.get(k) != settings[k]]
+        if changed:
+            raise StoreError(
+                f"rank {rank} of {procs.world} has other settings than this rank ({procs.rank}): "
+                + "; ".join(f"{k} {theirs.get(k)!r} vs {settings[k]!r}" for k in changed)
+                + ": every process must load the same model (seed random weights) and read the same data"
+            )
 
-    def __init__(self, forward: _Forward, source: DataSource, out: Path, format: str, meta: dict, progress: bool, chunk_size: int | None) -> None:
+
+class _Run:
+    """One extraction: find or create the store, plan the chunks to do, run the batches.
+
+    With several processes, rank 0 alone checks, creates and finishes the store; each process
+    writes the chunks dealt to it.
+    """
+
+    def __init__(self, forward: _Forward, source: DataSource, out: Path, format: str, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
         self.forward, self.source, self.out, self.format, self.meta = forward, source, out, format, meta
-        self.progress, self.chunk_size = progress, chunk_size
+        self.chunk_size, self.procs = chunk_size, procs
+        self.progress = progress and procs.main  # one bar and one voice per job
         self.writer: StoreWriter | None = None
 
-    def extract(self, writer: StoreWriter | None) -> None:
-        self.writer = writer
-        shard, done = _plan(writer) if writer is not None else (None, set())
-        if writer is not None:
-            _say(self.progress, f"resuming {self.out}: {len(done)} of {writer.num_chunks or '?'} chunks already written")
+    def extract(self, open_existing: Callable[[], StoreWriter | None]) -> None:
+        procs = self.procs
+        state = procs.share(lambda: self._start(open_existing))
+        if state == "complete":
+            _say(self.progress, f"{self.out} is already complete")
+            return
+        if self.writer is None and state != "new":
+            self.writer = StoreWriter.open(self.out)  # made or checked by rank 0
+        done: list[int] = []
+        if self.writer is not None:
+            self.writer.process = procs.rank
+            # one view of the chunks done, taken before any process writes, so the plans agree
+            done = procs.share(lambda: sorted(self.writer.done()))
+            if state == "resume":
+                _say(self.progress, f"resuming {self.out}: {len(done)} of {self.writer.num_chunks or '?'} chunks already written")
+        end = procs.together(lambda: self._batches(done))
+        procs.share(lambda: self.writer.finish(self.source.num_samples or end))
+
+    def _start(self, open_existing: Callable[[], StoreWriter | None]) -> str:
+        """On rank 0: ``"complete"``, ``"resume"`` (a store to continue) or ``"new"``. A new store is
+        made here when other processes will write into it; else at the first batch."""
+        self.writer = open_existing()
+        if self.writer is not None:
+            return "complete" if self.writer.meta["complete"] else "resume"
+        if self.procs.world == 1:
+            return "new"
+        self.writer = self._create(*self._probe())
+        return "created"
+
+    def _probe(self) -> tuple[Batch, dict[tuple[str, int | None], torch.Tensor]]:
+        """The features of the first two readable samples: the store's shapes, before the real run."""
+        n = self.source.num_samples
+        for shard in (np.arange(min(2, n)), np.arange(min(2, n), n)):
+            for batch in self.source.batches(shard):
+                if len(batch):
+                    batch = batch.take(np.arange(min(2, len(batch))))
+                    return batch, self.forward(batch.inputs, len(batch))
+        raise StoreError(f"no sample of {self.source.description} could be read")
+
+    def _batches(self, done: list[int]) -> int:
+        """Run the batches of this process's chunks into the store; where the data ended."""
+        shard = _plan(self.writer, done, self.procs.rank, self.procs.world) if self.writer is not None else None
         bar = _progress(self.progress, len(shard) if shard is not None else self.source.num_samples)
-        sink = _Sink(writer) if writer is not None else None
+        sink = _Sink(self.writer) if self.writer is not None else None
         waiting: list[Failure] = []  # failed samples seen before the store exists
         end = 0  # where the data ended (for data of unknown length)
         try:
             for batch in self.source.batches(shard):
                 end = max(end, *(int(i) + 1 for i in batch.index[-1:]), *(f.index + 1 for f in batch.failed))
                 if done and shard is None:  # data of unknown length: leave out the chunks written before
-                    batch = batch.take(np.flatnonzero(~np.isin(batch.index // self.writer.chunk_size, list(done))))
+                    batch = batch.take(np.flatnonzero(~np.isin(batch.index // self.writer.chunk_size, done)))
                 leaves = self.forward(batch.inputs, len(batch)) if len(batch) else {}
                 arrays = {array_key(*k): t for k, t in leaves.items()}
                 if sink is None:
@@ -573,7 +668,6 @@ class _Run:
                 raise StoreError(f"no sample of {self.source.description} could be read ({len(waiting)} failed{first})")
             sink.close(end)
             sink = None
-            self.writer.finish(self.source.num_samples or end)
         except BaseException:
             if sink is not None:
                 with contextlib.suppress(BaseException):
@@ -582,6 +676,7 @@ class _Run:
         finally:
             if bar is not None:
                 bar.close()
+        return end
 
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
         for spec in self.writer.specs:

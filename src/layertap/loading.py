@@ -13,7 +13,9 @@ Accepted specs:
 - ``layertap:shapes``: the small CNN bundled with layertap (offline).
 
 Every model is returned in eval mode, with what the spec tells about it (input size,
-preprocessing, class names) recorded for `model_info`.
+preprocessing, class names) recorded for `model_info`. Random weights are drawn from a fixed seed
+(the caller's random state is left alone), so every process of a ``torchrun`` job, and every run
+that resumes an extraction, builds the same model.
 
 >>> import layertap
 >>> model = layertap.load_model("torchvision:resnet18")
@@ -422,20 +424,23 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
     """
     kind = spec_kind(spec, arch)
     rest = spec.partition(":")[2]
-    if kind == "torchvision":
-        name, _, weights = rest.partition(":")
-        model, info = _torchvision(name, weights or None)
-    elif kind == "timm":
-        name, _, option = rest.partition(":")
-        model, info = _timm(name, option or None)
-    elif kind == "hf":
-        model, info = _hf(rest)
-    elif kind == "layertap":
-        model, info = _shapes()
-    elif kind == "file":
-        model, info = _file(Path(spec), arch, trust)
-    else:
-        model, info = _factory(spec)
+    # random weights are seeded: each process of a torchrun job, and each run (a resume), gets the same
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if kind == "torchvision":
+            name, _, weights = rest.partition(":")
+            model, info = _torchvision(name, weights or None)
+        elif kind == "timm":
+            name, _, option = rest.partition(":")
+            model, info = _timm(name, option or None)
+        elif kind == "hf":
+            model, info = _hf(rest)
+        elif kind == "layertap":
+            model, info = _shapes()
+        elif kind == "file":
+            model, info = _file(Path(spec), arch, trust)
+        else:
+            model, info = _factory(spec)
     model.layertap_info = info
     return model.eval()
 

@@ -7,7 +7,8 @@ Every format holds the same things:
   ``features/<layer>/0``, ``features/<layer>/1``, ... (key ``"<layer>/0"``), in the order of
   `layertap.nested.tensors`;
 - ``ids``: each sample's id (its file path, else its index); ``labels`` when the data has them;
-- one completion marker per chunk of samples, holding the chunk's failed samples;
+- one completion marker per chunk of samples, holding the chunk's failed samples and the rank
+  of the process that wrote it;
 - metadata: model, layers, shapes, dtypes, reductions, versions and a hash of the settings.
 
 A chunk (``chunk_size`` consecutive samples, the arrays' chunking along samples) is written
@@ -384,6 +385,7 @@ class StoreWriter:
         self.chunk_size: int = meta["chunk_size"]
         self.num_samples: int | None = meta["num_samples"]
         self.rows: int = backend.array("ids").shape[0]  # grows while the length is unknown
+        self.process = 0  # the rank of the process writing: each chunk's marker records it
 
     @classmethod
     def create(
@@ -478,7 +480,7 @@ class StoreWriter:
         if labels is not None and self.meta["labels"] is not None:
             self.backend.write("labels", start, labels)
         self.backend.flush()
-        self.backend.mark(chunk, json.dumps({"failed": [list(f) for f in failed]}))
+        self.backend.mark(chunk, json.dumps({"failed": [list(f) for f in failed], "process": self.process}))
         self.backend.flush()
 
     def _grow(self, rows: int) -> None:

@@ -7,6 +7,7 @@ from typing import Optional
 
 from ..controls import REDUCTIONS
 from ..dataset import extract_dataset, human
+from ..distributed import launched
 from ..loading import load_model
 from ..store import FORMATS
 from . import app, typer
@@ -50,11 +51,15 @@ def extract(
     on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store (default: resume it)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
+    chunk_size: Optional[int] = typer.Option(
+        None, "--chunk-size", min=1, help="Samples per chunk: the unit of writing, resuming and sharing among processes (default: ~16 MB)."
+    ),
     arch: Optional[str] = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
     trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
 ) -> None:
     """Run MODEL over every sample of DATA and write the features of --layers to --out, chunk by
-    chunk, in constant memory. Rerun the same command to resume an interrupted run.
+    chunk, in constant memory. Rerun the same command to resume an interrupted run. Under
+    torchrun (torchrun --nproc-per-node N -m layertap extract ...) the processes share the chunks.
 
     Example: layertap extract torchvision:resnet50 ./images --layers avgpool --layers layer3 --reduce mean --out feats.zarr
     """
@@ -77,8 +82,11 @@ def extract(
         overwrite=overwrite,
         on_error=on_error,
         limit=limit,
+        chunk_size=chunk_size,
     )
     with store:
+        if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job
+            return
         arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
         typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human(_disk_size(out))}): {arrays}")
         if store.labels is not None:

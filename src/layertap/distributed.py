@@ -1,0 +1,156 @@
+"""Many processes, one job: which process this is under ``torchrun``, and the few collectives
+that dataset extraction needs to share one store among them.
+
+``torchrun --nproc-per-node N [--nnodes M ...]`` starts every process with ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and a rendezvous address in its environment. `job` reads them,
+initialises the default process group when the user has not (NCCL when the job runs on CUDA
+devices, Gloo on the CPU) and takes it down again afterwards; outside a launcher it is one
+process of one, and every collective is a plain call.
+
+>>> from layertap.distributed import job
+>>> with job() as procs:                       # no launcher: one process
+...     procs.rank, procs.world, procs.share(lambda: "made on rank 0")
+(0, 1, 'made on rank 0')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from .errors import LayertapError
+
+T = TypeVar("T")
+
+
+class RankFailedError(LayertapError):
+    """Another process of the job failed; its error is in the message (and in its own output)."""
+
+
+def launched() -> tuple[int, int, int]:
+    """``(rank, world size, local rank)`` from a running process group, else from the launcher's
+    environment (``torchrun`` sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``), else ``(0, 1, 0)``."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), local
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local
+
+
+def rank_device(device: torch.device | str | None, local_rank: int, world: int) -> torch.device | str | None:
+    """The device for this process: a bare ``"cuda"`` means this process's own GPU,
+    ``cuda:LOCAL_RANK``, when several processes run (one per GPU, as ``torchrun`` starts them)."""
+    if device is None or world == 1:
+        return device
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, local_rank)
+    return device
+
+
+class Processes:
+    """This process among the ``world`` processes of a job, with object collectives over them.
+
+    The collectives carry small Python objects (settings, lists of chunks, errors), never features:
+    every process writes its own features to the shared store.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        self.rank, self.world = rank, world
+
+    @property
+    def main(self) -> bool:
+        """Whether this is rank 0, the process that creates, checks and finishes shared things."""
+        return self.rank == 0
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value``, by rank, on every process."""
+        if self.world == 1:
+            return [value]
+        values: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def share(self, make: Callable[[], T]) -> T:
+        """``make()`` run on rank 0 only; its result (or its error) reaches every process.
+
+        The other processes wait for it, so this is also a barrier.
+        """
+        if self.world == 1:
+            return make()
+        box: list[Any] = [None]
+        error = None
+        if self.main:
+            try:
+                box[0] = ("ok", make())
+            except BaseException as e:  # noqa: BLE001 - sent to every rank, raised on each
+                error, box[0] = e, ("error", _portable(e))
+        torch.distributed.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if error is not None:
+            raise error
+        if status == "error":
+            raise value
+        return value
+
+    def together(self, work: Callable[[], T]) -> T:
+        """Run ``work()`` on every process and wait for all of them; if any failed, every process
+        raises (the failed one its own error, the others `RankFailedError` naming it), so that no
+        process waits forever for one that is gone."""
+        if self.world == 1:
+            return work()
+        error, result = None, None
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001 - raised below, after the others know
+            error = e
+        reports = self.gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            raise RankFailedError(f"rank {rank} of {self.world} failed ({message}); what the job wrote so far is kept: run it again to resume")
+        return result
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it can travel to other processes (pickled), else a `RankFailedError` saying it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any unpicklable error is described instead
+        return RankFailedError(f"rank 0 failed: {type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def job(device: torch.device | str | None = None) -> Iterator[Processes]:
+    """This process's place in the job, for the duration of the block.
+
+    Under a launcher (``WORLD_SIZE`` > 1) with no process group yet, one is initialised from the
+    environment (``env://``) with NCCL when ``device`` is a CUDA device, else Gloo, and destroyed
+    at the end of the block; a group the user initialised is used as it is and left alone.
+    """
+    rank, world, local = launched()
+    dist = torch.distributed
+    ours = world > 1 and not (dist.is_available() and dist.is_initialized())
+    if ours:
+        if not dist.is_available():
+            raise RuntimeError(f"WORLD_SIZE={world} asks for {world} processes, but this PyTorch has no torch.distributed")
+        cuda = device is not None and torch.device(device).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(local)  # NCCL's object collectives run on the current device
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    try:
+        yield Processes(rank, world)
+    finally:
+        if ours:
+            dist.destroy_process_group()
+
+
+__all__ = ["Processes", "RankFailedError", "job", "launched", "rank_device"]

@@ -1,0 +1,274 @@
+"""Extraction under torchrun: processes share one store, chunk by chunk, and resume with any number.
+
+The jobs are real: `torch.distributed.run` starts 2 or 3 processes on the CPU (Gloo), running
+``python -m layertap extract`` as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import layertap
+from layertap.dataset import _plan as dataset_plan
+from layertap.distributed import job, launched, rank_device
+from layertap.shapes import generate, save_images
+from layertap.store import StoreError, StoreWriter
+
+import slow_model
+
+TESTS = str(Path(__file__).parent)  # on PYTHONPATH: subprocesses load slow_model from here
+LAYERS = ["--layers", "features.block2", "--layers", "features.block4.relu4", "--layers", "classifier"]
+
+
+def cli(*args: str, procs: int | None = None, env: dict | None = None, **options) -> subprocess.CompletedProcess:
+    """``python -m layertap ...``, under ``torchrun --nproc-per-node procs`` when given."""
+    launcher = [] if procs is None else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+    command = [sys.executable, *launcher, "-m", "layertap", *args]
+    # one thread per process, as torchrun gives each: the same arithmetic, bit for bit
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=300, **options)
+
+
+def torchrun_script(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
+    """``text`` run as a script by 2 processes under torchrun; it must succeed."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(text))
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def markers(path: Path) -> dict[int, dict]:
+    writer = StoreWriter.open(path)
+    try:
+        return {c: json.loads(text) for c, text in writer.backend.markers().items()}
+    finally:
+        writer.close()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("shapes") / "images"
+    save_images(generate(44, seed=3, size=64), folder, format="jpg")
+    bad = sorted(folder.rglob("*.jpg"))[10]  # in chunk 1: rank 1's
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated
+    return folder
+
+
+@pytest.mark.parametrize("format", ["zarr", "npy"])
+def test_two_processes_write_the_store_one_process_writes(images, tmp_path, format):
+    common = ["layertap:shapes", str(images), *LAYERS, "--batch-size", "4", "--chunk-size", "8", "--workers", "0", "--format", format, "--on-error", "skip"]
+    two = cli("extract", *common, "--out", str(tmp_path / "two"), procs=2)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.count("wrote 44 samples") == 1  # rank 0 speaks for the job
+    one = cli("extract", *common, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+
+    a, b = layertap.open_features(tmp_path / "one"), layertap.open_features(tmp_path / "two")
+    assert b.complete and list(a) == list(b) == ["features.block2", "features.block4.relu4", "classifier"]
+    for key in a:
+        assert a[key].shape == b[key].shape and np.array_equal(a.to_numpy(key), b.to_numpy(key), equal_nan=True), key
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.labels, b.labels)
+    assert [f.index for f in b.failed] == [10] and b.failed == a.failed  # the truncated JPEG, recorded once
+    assert np.isnan(b.to_numpy("classifier")[10]).all() and not np.isnan(np.delete(b.to_numpy("classifier"), 10, 0)).any()
+    assert b.meta["classes"] == a.meta["classes"] and b.meta["root"] == str(images.absolute())
+    # 6 chunks of 8 samples, dealt out in turn: each process wrote its own
+    assert {c: m["process"] for c, m in markers(tmp_path / "two").items()} == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
+
+
+def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_path):
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((60, 3, 32, 32), dtype=np.float32))
+    out = tmp_path / "f.zarr"
+    args = ["extract", "slow_model:slow", str(data), "--layers", "conv", "--layers", "pool", "--out", str(out), "--batch-size", "4", "--chunk-size", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    job_ = subprocess.Popen([*launcher, "-m", "layertap", *args], stdout=subprocess.PIPE, stderr=open(tmp_path / "job.log", "w"), text=True, env=env)
+    started = {"0": 0, "1": 0}
+    while started["1"] < 4:  # rank 1 has written its first chunk (2 batches) and is on its second
+        line = job_.stdout.readline()
+        assert line, f"the job ended before it could be killed (rc={job_.wait()})"
+        if line.startswith("batch"):
+            _, rank, pid = line.split()
+            started[rank] += 1
+    os.kill(int(pid), signal.SIGKILL)  # rank 1 dies; torchrun stops the job
+    assert job_.wait(timeout=60) != 0
+    job_.stdout.close()
+
+    done = markers(out)
+    assert 0 < len(done) < 8 and 1 in done and done[1]["process"] == 1, done
+    assert not layertap.FeatureStore(out).complete
+
+    resumed = cli(*args, procs=3, env={"PYTHONPATH": TESTS})
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming {out}: {len(done)} of 8 chunks already written" in resumed.stderr
+    # only the missing chunks ran: 2 batches each, 1 for the last (4 samples)
+    assert resumed.stdout.count("batch ") == sum(2 if c < 7 else 1 for c in range(8) if c not in done)
+    written = markers(out)
+    assert {m["process"] for c, m in written.items() if c not in done} == {0, 1, 2}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each process of the job ran: the same arithmetic, bit for bit
+    try:
+        whole = layertap.extract_dataset(slow_model.Slow(), str(data), ["conv", "pool"], tmp_path / "whole.zarr", batch_size=4, chunk_size=8, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    store = layertap.open_features(out)
+    assert store.complete
+    for key in whole:
+        assert np.array_equal(store.to_numpy(key), whole.to_numpy(key)), key
+
+
+COLLECTIVES = """
+import sys
+from layertap.distributed import job
+from layertap.store import StoreError
+
+def say(line):
+    sys.stdout.write(line + "\\n")  # one write: lines of processes do not mix
+    sys.stdout.flush()
+
+def broken():
+    raise StoreError("rank 0 could not make it")
+
+with job() as procs:
+    def work():
+        if procs.rank == 1:
+            raise ValueError("rank 1 broke")
+        return "fine"
+    for step in (lambda: procs.together(work), lambda: procs.share(broken), lambda: procs.share(lambda: [procs.rank, "made"])):
+        try:
+            say(f"rank {procs.rank}: {step()!r}")
+        except Exception as e:
+            say(f"rank {procs.rank}: {type(e).__name__}: {e}")
+"""
+
+
+def test_one_failing_rank_fails_every_rank_instead_of_leaving_them_waiting(tmp_path):
+    lines = set(torchrun_script(tmp_path, COLLECTIVES).stdout.splitlines())
+    assert "rank 1: ValueError: rank 1 broke" in lines  # its own error
+    assert any(line.startswith("rank 0: RankFailedError: rank 1 of 2 failed (ValueError: rank 1 broke)") for line in lines), lines
+    assert {"rank 0: StoreError: rank 0 could not make it", "rank 1: StoreError: rank 0 could not make it"} <= lines
+    assert {"rank 0: [0, 'made']", "rank 1: [0, 'made']"} <= lines  # made on rank 0, given to all
+
+
+DIFFERENT = """
+import os, torch
+
+def seeded_by_rank():
+    torch.manual_seed(int(os.environ["RANK"]))  # a mistake: every process gets other random weights
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+"""
+
+
+def test_processes_with_different_weights_are_refused(tmp_path):
+    (tmp_path / "different.py").write_text(textwrap.dedent(DIFFERENT))
+    data = tmp_path / "x.npy"
+    np.save(data, np.zeros((16, 3, 2, 2), dtype=np.float32))
+    out = tmp_path / "f.zarr"
+    done = cli("extract", "different:seeded_by_rank", str(data), "--layers", "1", "--out", str(out), procs=2, env={"PYTHONPATH": str(tmp_path)})
+    assert done.returncode != 0
+    assert "has other settings than this rank" in done.stderr and "model" in done.stderr, done.stderr
+    assert "every process must load the same model" in done.stderr
+    assert not out.exists()
+
+
+# ------------------------------------------------------------ in one process: the pieces
+def test_hdf5_is_refused_when_several_processes_would_write_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    with pytest.raises(StoreError, match="cannot write one HDF5 file.*HDF5 takes one writer at a time.*Zarr"):
+        layertap.extract_dataset(model, torch.zeros(8, 3, 2, 2), "1", tmp_path / "f.h5", progress=False)
+    assert not (tmp_path / "f.h5").exists()
+
+
+def test_data_of_unknown_length_is_refused_when_several_processes_would_share_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    batches = (torch.zeros(2, 3, 2, 2) for _ in range(3))
+    with pytest.raises(StoreError, match="does not say its length, so 2 processes cannot share it out"):
+        layertap.extract_dataset(model, batches, "1", tmp_path / "f.zarr", progress=False)
+    assert not torch.distributed.is_initialized()  # refused before any process group was made
+
+
+def test_the_launchers_environment_says_rank_and_world(monkeypatch):
+    assert launched() == (0, 1, 0)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launched() == (5, 8, 1)
+
+
+def test_each_process_takes_its_own_gpu():
+    assert rank_device("cuda", 3, 4) == torch.device("cuda", 3)  # torchrun: one process per GPU
+    assert rank_device("cuda:0", 3, 4) == torch.device("cuda", 0)  # a device the user named stays
+    assert rank_device("cpu", 3, 4) == torch.device("cpu")
+    assert rank_device("cuda", 0, 1) == "cuda" and rank_device(None, 3, 4) is None
+
+
+def test_one_process_alone_needs_no_process_group():
+    with job() as procs:
+        assert (procs.rank, procs.world, procs.main) == (0, 1, True)
+        assert procs.gather("x") == ["x"] and procs.share(lambda: 7) == 7 and procs.together(lambda: 8) == 8
+        with pytest.raises(ValueError, match="own error"):
+            procs.share(lambda: (_ for _ in ()).throw(ValueError("its own error")))
+    assert not torch.distributed.is_initialized()
+
+
+def test_chunks_are_dealt_out_to_any_number_of_processes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    store = layertap.extract_dataset(model, torch.randn(30, 3, 2, 2), "1", tmp_path / "f.zarr", batch_size=2, chunk_size=4, progress=False)
+    store.close()
+    writer = StoreWriter.open(tmp_path / "f.zarr")
+    try:
+        for world in (1, 2, 3, 5, 9):  # 8 chunks; with 9 processes one gets none
+            plans = [dataset_plan(writer, [2, 6], rank, world) for rank in range(world)]
+            taken = np.concatenate(plans)
+            assert sorted(taken.tolist()) == [i for i in range(30) if i // 4 not in (2, 6)]  # every missing sample once
+            assert all(len(set((p // 4).tolist()) & set((q // 4).tolist())) == 0 for i, p in enumerate(plans) for q in plans[i + 1 :])
+            sizes = [len(set((p // 4).tolist())) for p in plans]
+            assert max(sizes) - min(sizes) <= 1, sizes  # as even as whole chunks allow
+    finally:
+        writer.close()
+
+
+def test_random_weights_are_the_same_in_every_process_that_loads_them():
+    state = torch.random.get_rng_state()
+    a, b = layertap.load_model("torchvision:resnet18"), layertap.load_model("torchvision:resnet18")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random stream is left alone
+
+
+DDP = """
+import sys, torch, torchvision, layertap
+from torch.nn.parallel import DistributedDataParallel
+from layertap.distributed import job
+
+with job() as procs:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    ddp = DistributedDataParallel(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(procs.rank))  # each rank: its own samples
+    with layertap.tap(ddp, ["layer2", "module.fc"], capture=("output", "grad")) as t:
+        ddp(x).square().sum().backward()
+    reference = layertap.extract(model, x, ["layer2", "fc"])
+    ok = torch.allclose(t["layer2"], reference["layer2"], atol=1e-6) and torch.allclose(t["module.fc"], reference["fc"], atol=1e-6)
+    grad_ok = torch.allclose(t.grads["module.fc"], 2 * reference["fc"], atol=1e-5)
+    sys.stdout.write(f"rank {procs.rank}: batch {t['layer2'].shape[0]} same {ok} grad {grad_ok}\\n")  # one write
+    sys.stdout.flush()
+"""
+
+
+def test_under_ddp_each_rank_taps_its_own_replica(tmp_path):
+    assert set(torchrun_script(tmp_path, DDP).stdout.splitlines()) == {"rank 0: batch 2 same True grad True", "rank 1: batch 2 same True grad True"}
