@@ -66,10 +66,13 @@ def images(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("format", ["zarr", "npy"])
+@pytest.mark.parametrize("format", ["zarr", "npy", "zarr URL"])
 def test_two_processes_write_the_store_one_process_writes(images, tmp_path, format):
-    common = ["layertap:shapes", str(images), *LAYERS, "--batch-size", "4", "--chunk-size", "8", "--workers", "0", "--format", format, "--on-error", "skip"]
-    two = cli("extract", *common, "--out", str(tmp_path / "two"), procs=2)
+    common = ["layertap:shapes", str(images), *LAYERS, "--batch-size", "4", "--chunk-size", "8", "--workers", "0", "--on-error", "skip"]
+    common += ["--format", format.split()[0]]
+    # a URL goes through fsspec, as an object store's (s3://...) would
+    two_out = f"file://{tmp_path / 'two'}" if format.endswith("URL") else str(tmp_path / "two")
+    two = cli("extract", *common, "--out", two_out, procs=2)
     assert two.returncode == 0, two.stderr
     assert two.stdout.count("wrote 44 samples") == 1  # rank 0 speaks for the job
     one = cli("extract", *common, "--out", str(tmp_path / "one"))

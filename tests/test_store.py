@@ -121,3 +121,35 @@ def test_anything_that_is_not_a_store_is_refused(tmp_path):
     with pytest.raises(StoreError, match="not a layertap feature store"):
         remove_store(tmp_path / "other.zarr")
     assert (tmp_path / "folder" / "data.txt").exists() and (tmp_path / "other.zarr").exists()
+
+
+def test_a_zarr_store_in_an_object_store_through_an_fsspec_url(tmp_path):
+    """fsspec's in-memory filesystem stands in for s3:// or gs://: the same code path, no network."""
+    import fsspec
+
+    url = f"memory://layertap-test-{os.getpid()}/feats.zarr"
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).eval()
+    x = torch.randn(30, 3, 2, 2)
+    batches = [x[i : i + 2] for i in range(0, 30, 2)]
+
+    def breaking():
+        yield from batches[:5]
+        raise RuntimeError("the connection dropped")
+
+    with pytest.raises(RuntimeError, match="dropped"):
+        layertap.extract_dataset(model, breaking(), "1", url, chunk_size=4, progress=False)
+    writer = StoreWriter.open(url)
+    assert sorted(writer.done()) == [0, 1]  # 10 samples: two whole chunks, kept
+    writer.close()
+    store = layertap.extract_dataset(model, iter(batches), "1", url, chunk_size=4, progress=False)
+    assert store.complete and store.path == url
+    assert torch.equal(layertap.open_features(url).to_torch("1"), layertap.extract(model, x, "1")["1"])
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"/layertap-test-{os.getpid()}/other/data.bin", b"not ours")
+    with pytest.raises(StoreError, match="is not a layertap feature store"):
+        layertap.extract_dataset(model, x, "1", url.replace("feats.zarr", "other"), progress=False)
+    with pytest.raises(StoreError, match="only Zarr stores can be written to an object store"):
+        layertap.extract_dataset(model, x, "1", url.replace(".zarr", ".h5"), progress=False)
+    remove_store(url)
+    assert not fs.exists(f"/layertap-test-{os.getpid()}/feats.zarr")

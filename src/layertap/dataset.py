@@ -55,10 +55,14 @@ from .store import (
     FeatureStore,
     StoreError,
     StoreWriter,
+    Location,
     array_key,
     array_specs,
     detect_format,
     format_for,
+    is_url,
+    location,
+    occupied,
     remove_store,
 )
 from .tap import Tap, tap
@@ -371,7 +375,10 @@ def _compression(arrays: Iterable[torch.Tensor], format: str) -> float:
     return packed / raw if raw else 1.0
 
 
-def _free_space(path: Path) -> int:
+def _free_space(path: Location) -> int | None:
+    """Free bytes where ``path`` goes; ``None`` for an object store (it does not say)."""
+    if is_url(path):
+        return None
     path = path.absolute()
     while not path.exists():
         path = path.parent
@@ -398,11 +405,11 @@ def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _open_existing(out: Path, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
+def _open_existing(out: Location, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
     """The store to continue at ``out``, or ``None`` to write a new one (after removing an old one)."""
     found = detect_format(out)
     if found is None:
-        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if occupied(out):
             raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
         return None
     writer = StoreWriter.open(out)
@@ -492,7 +499,8 @@ def extract_dataset(
             layers fail before any work. A layer whose output holds several tensors gets one
             array per tensor, ``"<layer>/0"``, ``"<layer>/1"``, ...
         out: the store: a Zarr folder (default), an HDF5 file (``.h5``/``.hdf5``) or a folder
-            of ``.npy`` files (``format="npy"``).
+            of ``.npy`` files (``format="npy"``); or an fsspec URL of a Zarr store in an object
+            store (``"s3://bucket/feats.zarr"``, with that protocol's fsspec package installed).
         reduce, dtype: applied on the device before anything is copied (see `layertap.tap`);
             bfloat16 features are stored as float32 (NumPy has no bfloat16).
         batch_size, num_workers, transform: how ``data`` is read (a DataLoader keeps its own);
@@ -520,7 +528,7 @@ def extract_dataset(
     dtype = _torch_dtype(dtype)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    out = Path(out)
+    out = location(out)
     fmt = format_for(out, format)
     _, world, local_rank = launched()
     if world > 1 and fmt == "hdf5":
@@ -591,7 +599,7 @@ class _Run:
     writes the chunks dealt to it.
     """
 
-    def __init__(self, forward: _Forward, source: DataSource, out: Path, format: str, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
+    def __init__(self, forward: _Forward, source: DataSource, out: Location, format: str, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
         self.forward, self.source, self.out, self.format, self.meta = forward, source, out, format, meta
         self.chunk_size, self.procs = chunk_size, procs
         self.progress = progress and procs.main  # one bar and one voice per job
@@ -702,8 +710,9 @@ class _Run:
         else:
             need = int(sample_bytes * ratio * n) + n * 8
             free = _free_space(self.out)
-            _say(self.progress, f"~{human(need)} for {n:,} samples × {len(specs)} arrays ({human(sample_bytes)} per sample) to {self.out} ({self.format}); {human(free)} free")
-            if need > free:
+            room = "free space unknown" if free is None else f"{human(free)} free"
+            _say(self.progress, f"~{human(need)} for {n:,} samples × {len(specs)} arrays ({human(sample_bytes)} per sample) to {self.out} ({self.format}); {room}")
+            if free is not None and need > free:
                 raise StoreError(
                     f"the features need ~{human(need)} but only {human(free)} is free where {self.out} goes: free "
                     "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"

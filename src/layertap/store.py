@@ -56,6 +56,34 @@ class StoreError(LayertapError):
     """A feature store cannot be written or read as asked; the message says why and what to do."""
 
 
+Location = Path | str  # a local path, or an fsspec URL (str) such as "s3://bucket/feats.zarr"
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://``, ``gs://``, ``memory://``...), not a local path."""
+    return isinstance(path, str) and "://" in path
+
+
+def location(path: str | os.PathLike) -> Location:
+    """``path`` as the stores take it: a URL stays a string (a `Path` would fold its ``//``)."""
+    return path if is_url(path) else Path(path)
+
+
+def url_fs(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url``, and the path inside it."""
+    import fsspec  # a dependency of torch
+
+    return fsspec.core.url_to_fs(url)
+
+
+def occupied(path: Location) -> bool:
+    """Whether something (a file, or a folder that is not empty) is at ``path``."""
+    if is_url(path):
+        fs, inner = url_fs(path)
+        return fs.exists(inner) and (fs.isfile(inner) or bool(fs.ls(inner)))
+    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
+
+
 @dataclass
 class ArraySpec:
     """One stored array: its mapping key, path in the store and per-sample shape and dtype."""
@@ -108,12 +136,18 @@ def format_for(path: str | Path, format: str | None) -> str:
     if format is not None:
         if format not in FORMATS:
             raise ValueError(f"unknown format={format!r}: use one of {FORMATS}")
-        return format
-    return detect_format(path) or _SUFFIX_FORMATS.get(Path(path).suffix.lower(), "zarr")
+    else:
+        format = detect_format(path) or _SUFFIX_FORMATS.get(Path(str(path)).suffix.lower(), "zarr")
+    if is_url(path) and format != "zarr":
+        raise StoreError(f"{path} is a URL: only Zarr stores can be written to an object store (fsspec); use a .zarr URL")
+    return format
 
 
 def detect_format(path: str | Path) -> str | None:
     """The format of the layertap store at ``path``, or ``None`` if there is none."""
+    if is_url(path):  # an object store holds Zarr only
+        fs, inner = url_fs(path)
+        return "zarr" if fs.exists(f"{inner}/zarr.json") else None
     path = Path(path)
     if path.is_file():
         with open(path, "rb") as f:
@@ -131,7 +165,7 @@ class _Backend:
 
     format: str
 
-    def __init__(self, path: Path, mode: str) -> None:  # mode: "r", "r+" or "w"
+    def __init__(self, path: Location, mode: str) -> None:  # mode: "r", "r+" or "w"
         self.path, self.mode = path, mode
 
     # read_meta, write_meta, create, array, write, resize, mark, markers, create_markers: per format
@@ -147,10 +181,12 @@ class _ZarrBackend(_Backend):
     format = "zarr"
     MARKERS = "_chunks"
 
-    def __init__(self, path: Path, mode: str) -> None:
+    def __init__(self, path: Location, mode: str) -> None:  # a URL opens through fsspec
         super().__init__(path, mode)
         self.zarr = require("zarr", "store")
-        self.root = self.zarr.open_group(str(path), mode=mode)
+        # fsspec's local filesystem (file://) makes no folders unless told to; object stores need none
+        options = {"storage_options": {"auto_mkdir": True}} if str(path).startswith("file://") else {}
+        self.root = self.zarr.open_group(str(path), mode=mode, **options)
         self._arrays: dict[str, Any] = {}
 
     def read_meta(self) -> dict | None:
@@ -344,7 +380,7 @@ def _header(f: Any) -> tuple[tuple, bool, np.dtype]:
 _BACKENDS: dict[str, type[_Backend]] = {"zarr": _ZarrBackend, "hdf5": _HDF5Backend, "npy": _NpyBackend}
 
 
-def _open_backend(path: Path, mode: str, format: str | None = None) -> _Backend:
+def _open_backend(path: Location, mode: str, format: str | None = None) -> _Backend:
     format = format or detect_format(path)
     if format is None:
         raise StoreError(f"no layertap feature store at {path} (a Zarr folder, an HDF5 file or a folder of .npy files)")
@@ -401,7 +437,7 @@ class StoreWriter:
         labels_dtype: str | None,
     ) -> StoreWriter:
         """A new store at ``path`` for ``num_samples`` samples (``None``: unknown, it grows)."""
-        path = Path(path)
+        path = location(path)
         rows = num_samples or 0
         meta = {
             **meta,
@@ -449,7 +485,7 @@ class StoreWriter:
     @classmethod
     def open(cls, path: str | Path) -> StoreWriter:
         """An existing store, to add its missing chunks."""
-        backend = _open_backend(Path(path), "r+")
+        backend = _open_backend(location(path), "r+")
         meta = backend.read_meta()
         if not meta:
             backend.close()
@@ -506,8 +542,8 @@ class StoreWriter:
 
 def remove_store(path: str | Path) -> None:
     """Delete the layertap store at ``path``; refuse anything else, so no user data is lost."""
-    path = Path(path)
-    if not path.exists():
+    path = location(path)
+    if not occupied(path):
         return
     format = detect_format(path)
     backend = _open_backend(path, "r", format) if format else None
@@ -516,7 +552,10 @@ def remove_store(path: str | Path) -> None:
         backend.close()
     if not meta or "layertap_store" not in meta:
         raise StoreError(f"{path} exists and is not a layertap feature store: choose another output path")
-    if path.is_dir():
+    if is_url(path):
+        fs, inner = url_fs(path)
+        fs.rm(inner, recursive=True)
+    elif path.is_dir():
         shutil.rmtree(path)
     else:
         path.unlink()
@@ -536,7 +575,7 @@ class FeatureStore(Mapping[str, Any]):
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = location(path)
         self._backend = _open_backend(self.path, "r")
         meta = self._backend.read_meta()
         if not meta or "layertap_store" not in meta:
@@ -632,4 +671,4 @@ def open_features(path: str | Path) -> FeatureStore:
     return store
 
 
-__all__ = ["FeatureStore", "open_features", "StoreError", "StoreWriter", "ArraySpec", "FORMATS", "format_for", "detect_format"]
+__all__ = ["FeatureStore", "open_features", "StoreError", "StoreWriter", "ArraySpec", "FORMATS", "format_for", "detect_format", "is_url", "location"]

@@ -9,7 +9,7 @@ from ..controls import REDUCTIONS
 from ..dataset import extract_dataset, human
 from ..distributed import launched
 from ..loading import load_model
-from ..store import FORMATS
+from ..store import FORMATS, Location, is_url, location, url_fs
 from . import app, typer
 from .inspect import check_spec
 
@@ -22,7 +22,10 @@ def _choice(value: Optional[str], choices: tuple[str, ...], option: str) -> Opti
     return value
 
 
-def _disk_size(path: Path) -> int:
+def _disk_size(path: Location) -> int:
+    if is_url(path):
+        fs, inner = url_fs(path)
+        return fs.du(inner)
     files = [path] if path.is_file() else path.rglob("*")
     return sum(p.stat().st_size for p in files if p.is_file())
 
@@ -41,7 +44,9 @@ def extract(
     layers: list[str] = typer.Option(
         ..., "--layers", help="Layers to keep (names, globs like 'layer*', 're:REGEX'); repeatable."
     ),
-    out: Path = typer.Option(..., "--out", help="The store: a .zarr folder (default), a .h5 file, or a folder with --format npy."),
+    out: str = typer.Option(
+        ..., "--out", help="The store: a .zarr folder (default), a .h5 file, a folder with --format npy, or a Zarr URL (s3://bucket/f.zarr)."
+    ),
     reduce: Optional[str] = typer.Option(None, "--reduce", help=f"Pool each feature map: {', '.join(REDUCTIONS)}."),
     format: Optional[str] = typer.Option(None, "--format", help="zarr, hdf5 or npy (default: from --out, else zarr)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Inputs per forward."),
@@ -68,6 +73,7 @@ def extract(
     _choice(dtype, DTYPES, "--dtype")
     _choice(on_error, ("fail", "skip"), "--on-error")
     net = load_model(model, arch=arch, trust=trust)
+    out = location(out)
     store = extract_dataset(
         net,
         str(data),
