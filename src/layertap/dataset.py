@@ -66,6 +66,7 @@ from .store import (
     remove_store,
 )
 from .tap import Tap, tap
+from .units import human_bytes
 
 CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
 MAX_CHUNK = 4096  # samples: also the granularity of resuming
@@ -350,16 +351,6 @@ class _Sink:
 
 
 # ----------------------------------------------------------------------------------- sizes
-def human(n: float) -> str:
-    """A byte count for people: ``1.5 GB``."""
-    unit = "B"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            break
-        n /= 1000
-    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-
-
 def _compression(arrays: Iterable[torch.Tensor], format: str) -> float:
     """The fraction of its size that one batch keeps once compressed as the format stores it."""
     if format != "zarr":
@@ -706,15 +697,15 @@ class _Run:
         n = self.source.num_samples
         ratio = _compression(leaves.values(), self.format)
         if n is None:
-            _say(self.progress, f"writing ~{human(sample_bytes * ratio)} per sample to {self.out} ({self.format}); the number of samples is not known yet")
+            _say(self.progress, f"writing ~{human_bytes(sample_bytes * ratio)} per sample to {self.out} ({self.format}); the number of samples is not known yet")
         else:
             need = int(sample_bytes * ratio * n) + n * 8
             free = _free_space(self.out)
-            room = "free space unknown" if free is None else f"{human(free)} free"
-            _say(self.progress, f"~{human(need)} for {n:,} samples × {len(specs)} arrays ({human(sample_bytes)} per sample) to {self.out} ({self.format}); {room}")
+            room = "free space unknown" if free is None else f"{human_bytes(free)} free"
+            _say(self.progress, f"~{human_bytes(need)} for {n:,} samples × {len(specs)} arrays ({human_bytes(sample_bytes)} per sample) to {self.out} ({self.format}); {room}")
             if free is not None and need > free:
                 raise StoreError(
-                    f"the features need ~{human(need)} but only {human(free)} is free where {self.out} goes: free "
+                    f"the features need ~{human_bytes(need)} but only {human_bytes(free)} is free where {self.out} goes: free "
                     "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"
                 )
         return StoreWriter.create(
@@ -729,4 +720,4 @@ class _Run:
         )
 
 
-__all__ = ["extract_dataset", "model_fingerprint", "human"]
+__all__ = ["extract_dataset", "model_fingerprint"]

@@ -40,7 +40,7 @@ from torch import nn
 
 from . import cam
 from .data import ImageFiles
-from .dataset import human, model_fingerprint
+from .dataset import model_fingerprint
 from .errors import LayertapError, require
 from .images import load_image
 from .loading import ModelLoadError, load_model, model_info, spec_kind
@@ -49,6 +49,7 @@ from .stats import LayerStats, StatsTable, summarize
 from .stats import stats as activation_stats
 from .store import FeatureStore, open_features
 from .summary import summary
+from .units import human_bytes
 
 #: Categorical colours for classes (matplotlib's tab10), cycled beyond ten classes.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -266,7 +267,7 @@ def _layers_section(ctx: _Context) -> str:
             f"<td>{_esc(_shape(row['output']))}</td>",
             f"<td class='n'>{row['calls']}</td>",
             f"<td class='n'>{row['params_total']:,}</td>",
-            f"<td class='n'>{human(row['bytes_per_sample']) if row['calls'] else '–'}</td>",
+            f"<td class='n'>{human_bytes(row['bytes_per_sample']) if row['calls'] else '–'}</td>",
         ]
         cls = " class='stored'" if row["name"] in stored else ""
         body.append(f"<tr{cls}>{''.join(cells)}</tr>")

@@ -33,6 +33,7 @@ from .failures import explain_failures
 from .loading import model_info
 from .select import Layers, named_layers
 from .tap import Inputs, Tap, tap
+from .units import human_bytes
 
 _COLUMNS = ("Layer", "Type", "Input", "Output", "Dtype", "Calls", "Params", "Total params", "Out/sample")
 _NUMERIC = {"Calls", "Params", "Total params", "Out/sample"}
@@ -141,7 +142,7 @@ class LayerTable(Sequence):
                 str(row.calls),
                 f"{row.params:,}",
                 f"{row.params_total:,}",
-                _human(row.bytes_per_sample) if row.calls else "-",
+                human_bytes(row.bytes_per_sample) if row.calls else "-",
             ]
             for row in self.rows
         ]
@@ -150,7 +151,7 @@ class LayerTable(Sequence):
         return (
             f"{self.model}: {self.params:,} parameters ({self.trainable:,} trainable); example batch of "
             f"{self.batch_size}; the outputs of these {len(self)} layers take "
-            f"{_human(self.bytes_per_sample)} per sample"
+            f"{human_bytes(self.bytes_per_sample)} per sample"
         )
 
     def __str__(self) -> str:
@@ -227,14 +228,6 @@ def _jsonable(structure: Any) -> Any:
     if isinstance(structure, (tuple, list)):  # torch.Size included
         return [_jsonable(v) for v in structure]
     return structure
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _depth(name: str) -> int:

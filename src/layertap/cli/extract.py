@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..controls import REDUCTIONS
-from ..dataset import extract_dataset, human
+from ..dataset import extract_dataset
 from ..distributed import launched
 from ..loading import load_model
 from ..store import FORMATS, Location, is_url, location, url_fs
+from ..units import human_bytes
 from . import app, typer
 from .inspect import check_spec
 
@@ -94,7 +95,7 @@ def extract(
         if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job
             return
         arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
-        typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human(_disk_size(out))}): {arrays}")
+        typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human_bytes(_disk_size(out))}): {arrays}")
         if store.labels is not None:
             typer.echo(f"labels: {len(set(store.labels.tolist()))} classes")
         for failure in store.failed:
