@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import layertap
+from layertap.dataset import _chunk_size as chunk_size
 from layertap.dataset import _plan as dataset_plan
 from layertap.distributed import job, launched, rank_device
 from layertap.shapes import generate, save_images
@@ -244,6 +245,15 @@ def test_chunks_are_dealt_out_to_any_number_of_processes(tmp_path):
             assert max(sizes) - min(sizes) <= 1, sizes  # as even as whole chunks allow
     finally:
         writer.close()
+
+
+def test_every_process_gets_a_few_chunks_even_of_a_small_dataset():
+    # resnet50's avgpool: 8 KB per sample, so one process writes chunks of 2048 samples (16 MB)
+    assert chunk_size(32, 8192, None, 256, 1) == 2048
+    assert chunk_size(32, 8192, None, 256, 2) == 32  # 256 samples, 2 processes: 4 chunks each
+    assert chunk_size(32, 8192, None, 10**6, 8) == 2048  # a big dataset keeps its 16 MB chunks
+    assert chunk_size(32, 8192, None, 40, 4) == 32  # never less than a batch
+    assert chunk_size(32, 8192, 100, 256, 2) == 100  # the caller's choice stands
 
 
 def test_random_weights_are_the_same_in_every_process_that_loads_them():

@@ -377,11 +377,16 @@ def _free_space(path: Location) -> int | None:
 
 
 # ------------------------------------------------------------------------------- the run
-def _chunk_size(batch: int, sample_bytes: int, chunk_size: int | None) -> int:
+def _chunk_size(batch: int, sample_bytes: int, chunk_size: int | None, num_samples: int | None = None, processes: int = 1) -> int:
+    """Samples per chunk: whole batches, about `CHUNK_BYTES`; with several processes, small enough
+    that each gets a few chunks (chunks are what they share, and a few each end them together)."""
     if chunk_size is not None:
         return chunk_size
     batches = max(1, CHUNK_BYTES // max(1, batch * sample_bytes))
-    return max(batch, min(MAX_CHUNK // batch * batch, batch * batches))
+    size = min(MAX_CHUNK // batch * batch, batch * batches)
+    if processes > 1 and num_samples:
+        size = min(size, num_samples // (4 * processes) // batch * batch)
+    return max(batch, size)
 
 
 def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 1) -> np.ndarray | None:
@@ -693,8 +698,8 @@ class _Run:
         specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
         labels_dtype = None if batch.labels is None else str(batch.labels.numpy().dtype)
         sample_bytes = sum(s.sample_bytes for s in specs)
-        size = _chunk_size(self.source.batch_size or len(batch) + len(batch.failed), sample_bytes, self.chunk_size)
         n = self.source.num_samples
+        size = _chunk_size(self.source.batch_size or len(batch) + len(batch.failed), sample_bytes, self.chunk_size, n, self.procs.world)
         ratio = _compression(leaves.values(), self.format)
         if n is None:
             _say(self.progress, f"writing ~{human_bytes(sample_bytes * ratio)} per sample to {self.out} ({self.format}); the number of samples is not known yet")
