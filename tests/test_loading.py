@@ -207,7 +207,7 @@ def test_hf_vision_model_from_a_local_folder(tmp_path):
     )
     processor.save_pretrained(tmp_path)
     transform = model_info(load_model(f"hf:{tmp_path}")).transform
-    pixels = torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float()
+    pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()
     assert torch.allclose(transform(image), pixels / 127.5 - 1, atol=1e-5)
 
 
