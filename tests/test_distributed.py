@@ -147,24 +147,30 @@ def broken():
     raise StoreError("rank 0 could not make it")
 
 with job() as procs:
-    def work():
-        if procs.rank == 1:
-            raise ValueError("rank 1 broke")
-        return "fine"
-    for step in (lambda: procs.together(work), lambda: procs.share(broken), lambda: procs.share(lambda: [procs.rank, "made"])):
+    for step in (lambda: procs.share(broken), lambda: procs.share(lambda: [procs.rank, "made"])):
         try:
             say(f"rank {procs.rank}: {step()!r}")
         except Exception as e:
             say(f"rank {procs.rank}: {type(e).__name__}: {e}")
+
+    def work():
+        if procs.rank == 1:
+            raise ValueError("rank 1 broke")
+        return "fine"
+    try:
+        say(f"rank {procs.rank}: {procs.together(work)!r}")
+    except Exception as e:  # rank 1 leaves at once, without waiting for rank 0
+        say(f"rank {procs.rank}: {type(e).__name__}: {e}")
 """
 
 
 def test_one_failing_rank_fails_every_rank_instead_of_leaving_them_waiting(tmp_path):
     lines = set(torchrun_script(tmp_path, COLLECTIVES).stdout.splitlines())
-    assert "rank 1: ValueError: rank 1 broke" in lines  # its own error
-    assert any(line.startswith("rank 0: RankFailedError: rank 1 of 2 failed (ValueError: rank 1 broke)") for line in lines), lines
     assert {"rank 0: StoreError: rank 0 could not make it", "rank 1: StoreError: rank 0 could not make it"} <= lines
     assert {"rank 0: [0, 'made']", "rank 1: [0, 'made']"} <= lines  # made on rank 0, given to all
+    assert "rank 1: ValueError: rank 1 broke" in lines  # its own error
+    # rank 0 finds its peer gone, and says why from what rank 1 left in the launcher's store
+    assert any(line.startswith("rank 0: RankFailedError: rank 1 of 2: ValueError: rank 1 broke; the whole chunks") for line in lines), lines
 
 
 DIFFERENT = """
@@ -197,13 +203,35 @@ def test_hdf5_is_refused_when_several_processes_would_write_it(monkeypatch, tmp_
     assert not (tmp_path / "f.h5").exists()
 
 
-def test_data_of_unknown_length_is_refused_when_several_processes_would_share_it(monkeypatch, tmp_path):
+class Stream(torch.utils.data.IterableDataset):
+    """Samples that can only be read in order, though their number is known."""
+
+    def __len__(self):
+        return 6
+
+    def __iter__(self):
+        return (torch.zeros(3, 2, 2) for _ in range(6))
+
+
+def test_data_read_only_in_order_is_refused_when_several_processes_would_share_it(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
-    batches = (torch.zeros(2, 3, 2, 2) for _ in range(3))
-    with pytest.raises(StoreError, match="does not say its length, so 2 processes cannot share it out"):
-        layertap.extract_dataset(model, batches, "1", tmp_path / "f.zarr", progress=False)
+    for data in ((torch.zeros(2, 3, 2, 2) for _ in range(3)), Stream(), torch.utils.data.DataLoader(Stream(), batch_size=2)):
+        with pytest.raises(StoreError, match="can only be read in order, so 2 processes cannot share it out"):
+            layertap.extract_dataset(model, data, "1", tmp_path / "f.zarr", progress=False)
     assert not torch.distributed.is_initialized()  # refused before any process group was made
+    with pytest.raises(StoreError, match="in this process's memory, which the other 1 processes cannot see"):
+        layertap.extract_dataset(model, torch.zeros(4, 3, 2, 2), "1", "memory://x/f.zarr", progress=False)
+
+
+def test_one_process_of_a_job_can_extract_alone(monkeypatch, tmp_path):
+    # e.g. rank 0 of a training job: the others never call extract_dataset
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+    x = torch.randn(8, 3, 2, 2)
+    store = layertap.extract_dataset(model, x, "1", tmp_path / "f.h5", batch_size=4, progress=False, distributed=False)
+    assert store.complete and torch.equal(store.to_torch("1"), layertap.extract(model, x, "1")["1"])
+    assert not torch.distributed.is_initialized()
 
 
 def test_the_launchers_environment_says_rank_and_world(monkeypatch):

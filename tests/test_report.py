@@ -218,6 +218,15 @@ def test_usage_errors(shapes, tmp_path, capsys):
     assert "Example: layertap report" in capsys.readouterr().out
 
 
+def test_a_store_at_a_url(shapes, tmp_path, capsys):
+    url = f"file://{tmp_path}/copy.zarr"  # through fsspec, as an object store's URL
+    shutil.copytree(shapes / "features.zarr", tmp_path / "copy.zarr")
+    assert run(["report", url]) == 2  # a page cannot go "beside" a URL
+    assert "say where the page goes with --out" in capsys.readouterr().err
+    assert run(["report", url, "--out", str(tmp_path / "r.html"), "--heatmaps", "2"]) == 0
+    assert list(sections((tmp_path / "r.html").read_text())) == HEADINGS
+
+
 @needs_chromium
 def test_a_page_with_missing_sections_renders(torchvision_page):
     page, _ = torchvision_page

@@ -236,6 +236,8 @@ class DataSource:
     """The folder that image ids are relative to (``None`` when the data is not image files)."""
     classes: list[str] | None = None
     """The class names that labels index (an image folder's class sub-folders)."""
+    indexed: bool = False
+    """Whether any sample can be read on its own (a map-style dataset), not only in order."""
 
     def __len__(self) -> int:
         if self.num_samples is None:
@@ -252,6 +254,8 @@ class DataSource:
 
 class _Indexed(DataSource):
     """A map-style dataset: any sample can be read on its own, so a shard reads only its samples."""
+
+    indexed = True
 
     def __init__(
         self,

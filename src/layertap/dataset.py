@@ -484,6 +484,7 @@ def extract_dataset(
     transform: Callable[[Any], Any] | None = None,
     chunk_size: int | None = None,
     limit: int | None = None,
+    distributed: bool = True,
 ) -> FeatureStore:
     """Run ``model`` over all of ``data`` and write the features of ``layers`` to ``out``.
 
@@ -512,6 +513,9 @@ def extract_dataset(
         chunk_size: samples per chunk (default: whole batches, about 16 MB); the unit of
             writing and of resuming.
         limit: only the first ``limit`` samples.
+        distributed: under ``torchrun`` (``WORLD_SIZE`` > 1), share the work with the job's
+            other processes, which must all make this same call (see `layertap.distributed`).
+            ``False``: this process extracts alone, e.g. on rank 0 of a training job.
 
     Returns:
         the finished store, opened for reading (`layertap.open_features`).
@@ -526,12 +530,14 @@ def extract_dataset(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     out = location(out)
     fmt = format_for(out, format)
-    _, world, local_rank = launched()
+    _, world, local_rank = launched() if distributed else (0, 1, 0)
     if world > 1 and fmt == "hdf5":
         raise StoreError(
             f"{world} processes cannot write one HDF5 file ({out}): HDF5 takes one writer at a time. Write "
             "Zarr (the default: --out feats.zarr), or npy; both take a writer per process"
         )
+    if world > 1 and str(out).startswith("memory://"):
+        raise StoreError(f"{out} is in this process's memory, which the other {world - 1} processes cannot see: write to a shared folder or an object store")
     device = rank_device(device, local_rank, world)
     run_device = place_model(model, device)
     transform = transform or model_info(model).transform
@@ -546,12 +552,12 @@ def extract_dataset(
     )
     if source.num_samples == 0:
         raise StoreError(f"{source.description} holds no samples")
-    if world > 1 and source.num_samples is None:
+    if world > 1 and not source.indexed:
         raise StoreError(
-            f"{source.description} does not say its length, so {world} processes cannot share it out: "
+            f"{source.description} can only be read in order, so {world} processes cannot share it out: "
             "give a Dataset, a DataLoader over one, an image folder or a .npy array"
         )
-    with job(device) as procs:
+    with job(device, together=distributed) as procs:
         settings = _settings(model, names, reduce, dtype, source)
         _check_same_everywhere(procs, settings)
         meta = {
@@ -607,8 +613,8 @@ class _Run:
         if state == "complete":
             _say(self.progress, f"{self.out} is already complete")
             return
-        if self.writer is None and state != "new":
-            self.writer = StoreWriter.open(self.out)  # made or checked by rank 0
+        if state != "new":
+            procs.together(self._open)  # rank 0 made or checked it; the others open it
         done: list[int] = []
         if self.writer is not None:
             self.writer.process = procs.rank
@@ -618,6 +624,17 @@ class _Run:
                 _say(self.progress, f"resuming {self.out}: {len(done)} of {self.writer.num_chunks or '?'} chunks already written")
         end = procs.together(lambda: self._batches(done))
         procs.share(lambda: self.writer.finish(self.source.num_samples or end))
+
+    def _open(self) -> None:
+        if self.writer is not None:
+            return
+        try:
+            self.writer = StoreWriter.open(self.out)
+        except StoreError as e:
+            raise StoreError(
+                f"{e}, though rank 0 made or found one there: every process must reach the same store, in a "
+                "folder that all machines share (with the same path) or at an object-store URL"
+            ) from e
 
     def _start(self, open_existing: Callable[[], StoreWriter | None]) -> str:
         """On rank 0: ``"complete"``, ``"resume"`` (a store to continue) or ``"new"``. A new store is
@@ -633,12 +650,18 @@ class _Run:
     def _probe(self) -> tuple[Batch, dict[tuple[str, int | None], torch.Tensor]]:
         """The features of the first two readable samples: the store's shapes, before the real run."""
         n = self.source.num_samples
+        failed: list[Failure] = []
         for shard in (np.arange(min(2, n)), np.arange(min(2, n), n)):
             for batch in self.source.batches(shard):
                 if len(batch):
                     batch = batch.take(np.arange(min(2, len(batch))))
                     return batch, self.forward(batch.inputs, len(batch))
-        raise StoreError(f"no sample of {self.source.description} could be read")
+                failed += batch.failed
+        raise self._unreadable(failed)
+
+    def _unreadable(self, failed: list[Failure]) -> StoreError:
+        first = f", first {failed[0].id}: {failed[0].error}" if failed else ""
+        return StoreError(f"no sample of {self.source.description} could be read ({len(failed)} failed{first})")
 
     def _batches(self, done: list[int]) -> int:
         """Run the batches of this process's chunks into the store; where the data ended."""
@@ -668,8 +691,7 @@ class _Run:
                 if bar is not None:
                     bar.update(len(batch) + len(batch.failed))
             if sink is None:
-                first = f", first {waiting[0].id}: {waiting[0].error}" if waiting else ""
-                raise StoreError(f"no sample of {self.source.description} could be read ({len(waiting)} failed{first})")
+                raise self._unreadable(waiting)
             sink.close(end)
             sink = None
         except BaseException:

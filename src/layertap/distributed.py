@@ -16,6 +16,7 @@ process of one, and every collective is a plain call.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -90,7 +91,12 @@ class Processes:
                 box[0] = ("ok", make())
             except BaseException as e:  # noqa: BLE001 - sent to every rank, raised on each
                 error, box[0] = e, ("error", _portable(e))
-        torch.distributed.broadcast_object_list(box, src=0)
+        try:
+            torch.distributed.broadcast_object_list(box, src=0)
+        except BaseException as e:
+            if error is not None:
+                raise error from e
+            raise self._failed(e) from e
         status, value = box[0]
         if error is not None:
             raise error
@@ -99,24 +105,42 @@ class Processes:
         return value
 
     def together(self, work: Callable[[], T]) -> T:
-        """Run ``work()`` on every process and wait for all of them; if any failed, every process
-        raises (the failed one its own error, the others `RankFailedError` naming it), so that no
-        process waits forever for one that is gone."""
+        """Run ``work()`` on every process, then wait until all are done.
+
+        A process whose work fails says so to the others (through the launcher's store) and
+        raises at once, without waiting: under ``torchrun`` its exit stops the job. A process
+        that then finds a peer gone raises `RankFailedError` with that peer's error.
+        """
         if self.world == 1:
             return work()
-        error, result = None, None
         try:
             result = work()
-        except BaseException as e:  # noqa: BLE001 - raised below, after the others know
-            error = e
-        reports = self.gather(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise RankFailedError(f"rank {rank} of {self.world} failed ({message}); what the job wrote so far is kept: run it again to resume")
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # best effort: the error itself matters more
+                _store().set(_FAILED, f"rank {self.rank} of {self.world}: {type(e).__name__}: {e}")
+            raise
+        try:
+            self.gather(None)
+        except BaseException as e:
+            raise self._failed(e) from e
         return result
+
+    def _failed(self, error: BaseException) -> BaseException:
+        """What to raise when a collective broke: the failure a peer posted, if any, else ``error``."""
+        with contextlib.suppress(Exception):
+            store = _store()
+            if store.check([_FAILED]):
+                said = store.get(_FAILED).decode()
+                return RankFailedError(f"{said}; the whole chunks written so far are kept: fix the cause and run again to resume")
+        return error
+
+
+_FAILED = "layertap/failed"
+
+
+def _store() -> Any:
+    """The key-value store that the launcher's rendezvous gave the default process group."""
+    return torch.distributed.distributed_c10d._get_default_store()
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -128,14 +152,22 @@ def _portable(error: BaseException) -> BaseException:
         return RankFailedError(f"rank 0 failed: {type(error).__name__}: {error}")
 
 
+# how long a process waits for the others: at the end, the first to finish waits for the slowest
+TIMEOUT = datetime.timedelta(hours=6)
+
+
 @contextlib.contextmanager
-def job(device: torch.device | str | None = None) -> Iterator[Processes]:
+def job(device: torch.device | str | None = None, *, together: bool = True) -> Iterator[Processes]:
     """This process's place in the job, for the duration of the block.
 
     Under a launcher (``WORLD_SIZE`` > 1) with no process group yet, one is initialised from the
     environment (``env://``) with NCCL when ``device`` is a CUDA device, else Gloo, and destroyed
     at the end of the block; a group the user initialised is used as it is and left alone.
+    ``together=False``: this process works alone, whatever the environment says.
     """
+    if not together:
+        yield Processes()
+        return
     rank, world, local = launched()
     dist = torch.distributed
     ours = world > 1 and not (dist.is_available() and dist.is_initialized())
@@ -145,7 +177,7 @@ def job(device: torch.device | str | None = None) -> Iterator[Processes]:
         cuda = device is not None and torch.device(device).type == "cuda"
         if cuda:
             torch.cuda.set_device(local)  # NCCL's object collectives run on the current device
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=TIMEOUT)
     try:
         yield Processes(rank, world)
     finally:

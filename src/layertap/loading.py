@@ -426,7 +426,7 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
     rest = spec.partition(":")[2]
     # random weights are seeded: each process of a torchrun job, and each run (a resume), gets the same
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.default_generator.manual_seed(0)  # models are built on the CPU; CUDA's seeds stay the caller's
         if kind == "torchvision":
             name, _, weights = rest.partition(":")
             model, info = _torchvision(name, weights or None)

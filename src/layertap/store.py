@@ -73,7 +73,9 @@ def url_fs(url: str) -> tuple[Any, str]:
     """The fsspec filesystem of ``url``, and the path inside it."""
     import fsspec  # a dependency of torch
 
-    return fsspec.core.url_to_fs(url)
+    fs, inner = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()  # fsspec caches instances and listings; Zarr writes through its own instance
+    return fs, inner
 
 
 def occupied(path: Location) -> bool:

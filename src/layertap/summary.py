@@ -6,8 +6,8 @@
 (torch.Size([1, 512, 2, 2]), 1)
 >>> print(table)                                           # doctest: +SKIP
 Layer    Type    Input           Output           Dtype    Calls  Params  Total params  Out/sample
-(model)  ResNet  [1, 3, 64, 64]  [1, 1000]        float32      1       0    11,689,512     3.9 KiB
-conv1    Conv2d  [1, 3, 64, 64]  [1, 64, 32, 32]  float32      1   9,408         9,408   256.0 KiB
+(model)  ResNet  [1, 3, 64, 64]  [1, 1000]        float32      1       0    11,689,512      4.0 KB
+conv1    Conv2d  [1, 3, 64, 64]  [1, 64, 32, 32]  float32      1   9,408         9,408    262.1 KB
 ...
 
 The forward runs once, in eval mode, without autograd, under a `layertap.tap` that keeps only the

@@ -7,6 +7,7 @@ from pathlib import Path
 from ..cam import METHODS
 from ..loading import load_model
 from ..report import build_report
+from ..store import is_url, location
 from . import app, typer
 from .inspect import check_spec
 
@@ -23,7 +24,7 @@ def _check_method(name: str) -> str:
 
 @app.command()
 def report(
-    store: Path = typer.Argument(..., exists=True, help="A feature store written by `layertap extract` (Zarr, HDF5 or npy)."),
+    store: str = typer.Argument(..., help="A feature store written by `layertap extract` (Zarr, HDF5 or npy), or a Zarr URL."),
     out: Path | None = typer.Option(None, "--out", help="The HTML file to write (default: beside the store, STORE.html)."),
     model: str | None = typer.Option(
         None, "--model", callback=_check_model,
@@ -44,7 +45,12 @@ def report(
     """
     if arch is not None and model is None:
         raise typer.BadParameter("--arch names the architecture of a --model state-dict file: give --model too", param_hint="'--arch'")
-    target = out or store.with_suffix(".html")
+    where = location(store)
+    if is_url(where) and out is None:
+        raise typer.BadParameter(f"{store} is a URL: say where the page goes with --out", param_hint="'--out'")
+    if not is_url(where) and not where.exists():
+        raise typer.BadParameter(f"no feature store at {store}", param_hint="'STORE'")
+    target = out or where.with_suffix(".html")
     net = load_model(model, arch=arch) if model is not None else None
-    path = build_report(store, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples)
+    path = build_report(where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples)
     typer.echo(f"report: {path}")
