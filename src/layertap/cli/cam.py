@@ -16,7 +16,7 @@ from ..images import find_images, load_image
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
 from . import app, typer
-from .inspect import check_spec, parse_shape
+from .options import arch_option, check_method, model_argument, parse_shape, trust_option
 
 
 def _floats(text: str | None, option: str) -> tuple[float, ...] | None:
@@ -29,12 +29,6 @@ def _floats(text: str | None, option: str) -> tuple[float, ...] | None:
     if not values:
         raise typer.BadParameter(f"{text!r} is not a list of numbers: give e.g. 0.5,0.5,0.5", param_hint=option)
     return values
-
-
-def _method(name: str) -> str:
-    if name.lower() not in METHODS:
-        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return name.lower()
 
 
 def _colormap(name: str) -> str:
@@ -100,12 +94,7 @@ def display_image(transform: Callable[[Any], torch.Tensor], image: Any, tensor: 
 
 @app.command()
 def cam(
-    model: str = typer.Argument(
-        ...,
-        callback=check_spec,
-        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
-        "or layertap:shapes.",
-    ),
+    model: str = model_argument(),
     images: list[Path] = typer.Argument(..., exists=True, help="Image files or folders (searched recursively)."),
     layer: list[str] | None = typer.Option(
         None,
@@ -113,7 +102,7 @@ def cam(
         help="Layer(s) to explain (names, globs, 're:REGEX'); repeatable, maps averaged. Default: the last "
         "layer with a map that the gradient reaches.",
     ),
-    method: str = typer.Option("gradcam", "--method", callback=_method, help=f"One of: {', '.join(METHODS)}."),
+    method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"One of: {', '.join(METHODS)}."),
     target: str | None = typer.Option(
         None, "--target", help="Class to explain (index or name) for every image. Default: each image's top class."
     ),
@@ -129,8 +118,8 @@ def cam(
     std: str | None = typer.Option(None, "--std", help="Override the normalisation std, e.g. 0.5,0.5,0.5."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Images per forward."),
     device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda:0 (default: cpu)."),
-    arch: str | None = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
-    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+    arch: str | None = arch_option(),
+    trust: bool = trust_option(),
 ) -> None:
     """Draw where MODEL looks when it classifies each image: one overlay PNG and one raw map (.npy) per image in --out, and the predicted class of each printed.
 

@@ -12,7 +12,7 @@ from ..loading import load_model
 from ..store import FORMATS, Location, is_url, location, url_fs
 from ..units import human_bytes
 from . import app, typer
-from .inspect import check_spec
+from .options import arch_option, model_argument, trust_option
 
 DTYPES = ("float32", "float16", "float64")
 
@@ -33,12 +33,7 @@ def _disk_size(path: Location) -> int:
 
 @app.command()
 def extract(
-    model: str = typer.Argument(
-        ...,
-        callback=check_spec,
-        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
-        "or layertap:shapes.",
-    ),
+    model: str = model_argument(),
     data: Path = typer.Argument(
         ..., exists=True, help="The inputs: an image folder (class sub-folders become labels), an image file or a .npy array."
     ),
@@ -60,8 +55,8 @@ def extract(
     chunk_size: Optional[int] = typer.Option(
         None, "--chunk-size", min=1, help="Samples per chunk: the unit of writing, resuming and sharing among processes (default: ~16 MB)."
     ),
-    arch: Optional[str] = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
-    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+    arch: Optional[str] = arch_option(),
+    trust: bool = trust_option(),
 ) -> None:
     """Run MODEL over every sample of DATA and write the features of --layers to --out, chunk by
     chunk, in constant memory. Rerun the same command to resume an interrupted run. Under

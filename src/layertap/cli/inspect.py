@@ -5,38 +5,12 @@ from __future__ import annotations
 from ..loading import DEFAULT_SPEC, ModelLoadError, load_model, model_info, spec_kind
 from ..summary import summary
 from . import app, typer
-
-
-def check_spec(spec: str) -> str:
-    """Reject a malformed model spec as a usage error (exit code 2) before loading anything."""
-    try:
-        spec_kind(spec)
-    except ModelLoadError as e:
-        raise typer.BadParameter(" ".join(str(e).split())) from e
-    return spec
-
-
-def parse_shape(text: str | None) -> tuple[int, ...] | None:
-    """``"1,3,224,224"`` -> ``(1, 3, 224, 224)``; anything else is a usage error."""
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(s <= 0 for s in shape):
-        raise typer.BadParameter(f"{text!r} is not a shape: give positive integers like 1,3,224,224")
-    return shape
+from .options import arch_option, model_argument, parse_shape, trust_option
 
 
 @app.command()
 def inspect(
-    model: str = typer.Argument(
-        DEFAULT_SPEC,
-        callback=check_spec,
-        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, "
-        "package.module:callable or layertap:shapes.",
-    ),
+    model: str = model_argument(DEFAULT_SPEC),
     input_shape: str | None = typer.Option(
         None,
         "--input-shape",
@@ -49,10 +23,8 @@ def inspect(
     ),
     depth: int | None = typer.Option(None, "--depth", min=0, help="Only names with at most N dotted parts."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
-    arch: str | None = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
-    trust: bool = typer.Option(
-        False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."
-    ),
+    arch: str | None = arch_option(),
+    trust: bool = trust_option(),
 ) -> None:
     """Show every layer of MODEL: name, class, input and output shapes, calls, parameters, bytes per sample.
 

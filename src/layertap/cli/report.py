@@ -9,17 +9,7 @@ from ..loading import load_model
 from ..report import build_report
 from ..store import is_url, location
 from . import app, typer
-from .inspect import check_spec
-
-
-def _check_model(spec: str | None) -> str | None:
-    return None if spec is None else check_spec(spec)
-
-
-def _check_method(name: str) -> str:
-    if name not in METHODS:
-        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return name
+from .options import arch_option, check_method, check_spec
 
 
 @app.command()
@@ -27,12 +17,12 @@ def report(
     store: str = typer.Argument(..., help="A feature store written by `layertap extract` (Zarr, HDF5 or npy), or a Zarr URL."),
     out: Path | None = typer.Option(None, "--out", help="The HTML file to write (default: beside the store, STORE.html)."),
     model: str | None = typer.Option(
-        None, "--model", callback=_check_model,
+        None, "--model", callback=check_spec,
         help="The model that wrote the store, as a spec (default: the spec the store records).",
     ),
-    arch: str | None = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth --model."),
+    arch: str | None = arch_option("--model"),
     images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: the one it records)."),
-    method: str = typer.Option("gradcam", "--method", callback=_check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
+    method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
     heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
     max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the PCA plots and used for statistics."),
 ) -> None:

@@ -8,17 +8,12 @@ from typing import Optional
 from ..loading import load_model
 from ..stats import stats as layer_stats
 from . import app, typer
-from .inspect import check_spec
+from .options import arch_option, model_argument, trust_option
 
 
 @app.command()
 def stats(
-    model: str = typer.Argument(
-        ...,
-        callback=check_spec,
-        help="Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
-        "or layertap:shapes.",
-    ),
+    model: str = model_argument(),
     data: Path = typer.Argument(..., exists=True, help="The inputs: an image folder, an image file or a .npy array."),
     layers: Optional[list[str]] = typer.Option(
         None,
@@ -32,8 +27,8 @@ def stats(
         None, "--device", help="Run on this device, e.g. cuda:0 (default: where the weights are)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
-    arch: Optional[str] = typer.Option(None, "--arch", help="Architecture spec for a state-dict .pt/.pth file."),
-    trust: bool = typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code)."),
+    arch: Optional[str] = arch_option(),
+    trust: bool = trust_option(),
 ) -> None:
     """Mean, std, min, max, zeros and NaN/Inf of every layer's output over DATA, in one pass;
     flags dead channels (zero on every input) and exploding layers.
