@@ -239,11 +239,6 @@ class DataSource:
     indexed: bool = False
     """Whether any sample can be read on its own (a map-style dataset), not only in order."""
 
-    def __len__(self) -> int:
-        if self.num_samples is None:
-            raise TypeError(f"{self.description} does not know its length before it is read")
-        return self.num_samples
-
     def id_of(self, index: int) -> Any:
         return self.ids[index] if self.ids is not None else int(index)
 
@@ -457,14 +452,6 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def num_samples(data: Any, **options: Any) -> int | None:
-    """The number of samples in ``data``, or ``None`` when it is known only at its end.
-
-    An iterable of batches (e.g. a list) has no sample count before it is read: ``None``.
-    """
-    return open_data(data, **options).num_samples
-
-
 def iter_batches(
     data: Any,
     *,
@@ -500,7 +487,6 @@ __all__ = [
     "ImageFiles",
     "ArrayRows",
     "iter_batches",
-    "num_samples",
     "open_data",
     "split_batch",
     "image_to_tensor",

@@ -59,6 +59,7 @@ from .store import (
     array_key,
     array_specs,
     detect_format,
+    fill_value,
     format_for,
     is_url,
     location,
@@ -133,8 +134,7 @@ def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _numpy_dtype(dtype: torch.dtype) -> str:
-    # bfloat16 has no NumPy dtype: such features are stored as float32 (exactly)
-    return "float32" if dtype == torch.bfloat16 else str(torch.empty(0, dtype=dtype).numpy().dtype)
+    return str(torch.empty(0, dtype=dtype).numpy().dtype)
 
 
 # ------------------------------------------------------------------------------ the forward
@@ -155,6 +155,8 @@ class _Forward:
             value = self.tap[name]
             tensors = nested.tensors(value)
             for i, t in enumerate(tensors):
+                if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: stored as float32, exactly
+                    t = t.float()
                 leaves[(name, None if isinstance(value, torch.Tensor) else i)] = t
                 if t.dim() == 0 or t.shape[0] != n:
                     raise StoreError(
@@ -172,8 +174,6 @@ def _to_host(arrays: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     """
     host, copied = {}, False
     for key, t in arrays.items():
-        if t.dtype == torch.bfloat16:
-            t = t.float()
         if t.device.type != "cpu":
             pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch caches pinned blocks
             t, copied = pinned.copy_(t, non_blocking=True), True
@@ -207,22 +207,16 @@ class _Chunk:
         for key, a in arrays.items():
             self.arrays[key][at] = a[rows]
         if self.labels is not None:
-            self.labels[at] = labels[rows] if labels is not None else _fill_value(self.labels.dtype)
+            self.labels[at] = labels[rows] if labels is not None else fill_value(self.labels.dtype)
         self.count += len(at)
 
     def fail(self, at: int, failure: Failure) -> None:
         for a in self.arrays.values():
-            a[at] = _fill_value(a.dtype)
+            a[at] = fill_value(a.dtype)
         if self.labels is not None:
-            self.labels[at] = _fill_value(self.labels.dtype)
+            self.labels[at] = fill_value(self.labels.dtype)
         self.failed.append(failure)
         self.count += 1
-
-
-def _fill_value(dtype: Any) -> Any:
-    # rows of samples that failed to load: NaN (floats), -1 (signed integers) or 0
-    kind = np.dtype(dtype).kind
-    return np.nan if kind in "fc" else -1 if kind == "i" else 0
 
 
 class _HeapTrimmer:
@@ -235,8 +229,10 @@ class _HeapTrimmer:
     so it is done per amount of data, not per batch (Dask's workers trim the same way).
     """
 
-    def __init__(self, every: int = 16 << 20) -> None:
-        self.every, self.since = every, 0
+    EVERY = 16 << 20
+
+    def __init__(self) -> None:
+        self.since = 0
         try:
             self.trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
@@ -244,7 +240,7 @@ class _HeapTrimmer:
 
     def __call__(self, nbytes: int) -> None:
         self.since += nbytes
-        if self.trim is not None and self.since >= self.every:
+        if self.trim is not None and self.since >= self.EVERY:
             self.trim(0)
             self.since = 0
 
@@ -271,9 +267,7 @@ class _Sink:
 
     def put(self, index: np.ndarray, arrays: dict[str, torch.Tensor], labels: torch.Tensor | None, failed: list[Failure]) -> None:
         host, event = _to_host(arrays)  # on a GPU the copy runs while we wait
-        while not self.idle.acquire(timeout=0.1):
-            if self.error is not None:
-                raise self.error
+        self.idle.acquire()  # released by the writer after each batch, even one that failed
         if self.error is not None:
             raise self.error
         self.queue.put((index, host, labels, failed, event))
@@ -360,7 +354,7 @@ def _compression(arrays: Iterable[torch.Tensor], format: str) -> float:
     codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
     raw = packed = 0
     for t in arrays:
-        a = np.ascontiguousarray(t.detach().float().cpu().numpy() if t.dtype == torch.bfloat16 else t.detach().cpu().numpy())
+        a = np.ascontiguousarray(t.detach().cpu().numpy())
         raw += a.nbytes
         packed += len(codec.encode(a))
     return packed / raw if raw else 1.0
@@ -401,6 +395,12 @@ def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _differences(old: dict, new: dict, sep: str) -> str:
+    """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
+    what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
+    return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
+
+
 def _open_existing(out: Location, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
     """The store to continue at ``out``, or ``None`` to write a new one (after removing an old one)."""
     found = detect_format(out)
@@ -419,13 +419,8 @@ def _open_existing(out: Location, format: str | None, settings: dict, resume: bo
         problem = "already holds features"
     elif format is not None and format != meta["format"]:
         problem = f"is a {meta['format']} store, not {format}"
-    else:
-        changed = [k for k in settings if meta["settings"].get(k) != settings[k]]
-        if changed:
-            what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
-            problem = "was written with other settings: " + "; ".join(
-                f"{what.get(k, k)} {meta['settings'].get(k)!r}, now {settings[k]!r}" for k in changed
-            )
+    elif changed := _differences(meta["settings"], settings, ", now "):
+        problem = f"was written with other settings: {changed}"
     if problem:
         writer.close()
         raise StoreError(f"{out} {problem}: pass overwrite=True (--overwrite) to replace it, or write to another path")
@@ -540,7 +535,8 @@ def extract_dataset(
         raise StoreError(f"{out} is in this process's memory, which the other {world - 1} processes cannot see: write to a shared folder or an object store")
     device = rank_device(device, local_rank, world)
     run_device = place_model(model, device)
-    transform = transform or model_info(model).transform
+    info = model_info(model)
+    transform = transform or info.transform
     source = open_data(
         data,
         batch_size=batch_size,
@@ -561,10 +557,8 @@ def extract_dataset(
         settings = _settings(model, names, reduce, dtype, source)
         _check_same_everywhere(procs, settings)
         meta = {
-            "model": model_info(model).spec or type(model).__name__,
-            "layers": names,
-            "reduce": _describe(reduce),
-            "dtype": settings["dtype"],
+            "model": info.spec or type(model).__name__,
+            **{k: settings[k] for k in ("layers", "reduce", "dtype")},
             "data": source.description,
             "root": str(source.root) if source.root is not None else None,
             "classes": source.classes,
@@ -585,12 +579,10 @@ def extract_dataset(
 def _check_same_everywhere(procs: Processes, settings: dict) -> None:
     """Refuse a job whose processes would write different things into one store."""
     for rank, theirs in enumerate(procs.gather(settings)):
-        changed = [k for k in settings if theirs.get(k) != settings[k]]
-        if changed:
+        if changed := _differences(theirs, settings, " vs "):
             raise StoreError(
-                f"rank {rank} of {procs.world} has other settings than this rank ({procs.rank}): "
-                + "; ".join(f"{k} {theirs.get(k)!r} vs {settings[k]!r}" for k in changed)
-                + ": every process must load the same model (seed random weights) and read the same data"
+                f"rank {rank} of {procs.world} has other settings than this rank ({procs.rank}): {changed}: "
+                "every process must load the same model (seed random weights) and read the same data"
             )
 
 

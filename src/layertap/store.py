@@ -403,11 +403,12 @@ def storage_rows(chunk_size: int, sample_bytes: int) -> int:
     return rows
 
 
-def _fill(dtype: np.dtype) -> Any:
-    # rows of samples that failed to load read as NaN (floats), -1 (signed ints) or 0
-    if dtype.kind in "fc":
+def fill_value(dtype: Any) -> Any:
+    """What rows of samples that failed to load hold: NaN (floats), -1 (signed ints) or 0."""
+    kind = np.dtype(dtype).kind
+    if kind in "fc":
         return float("nan")
-    return -1 if dtype.kind == "i" else 0
+    return -1 if kind == "i" else 0
 
 
 class StoreWriter:
@@ -462,10 +463,10 @@ class StoreWriter:
             backend.write_meta({**meta, "ready": False})  # first: a half-made store is known as ours
             for spec in specs:
                 dtype = np.dtype(spec.dtype)
-                backend.create(spec.path, (rows, *spec.shape), dtype, storage_rows(chunk_size, spec.sample_bytes), _fill(dtype))
+                backend.create(spec.path, (rows, *spec.shape), dtype, storage_rows(chunk_size, spec.sample_bytes), fill_value(dtype))
             if labels_dtype is not None:
                 dtype = np.dtype(labels_dtype)
-                backend.create("labels", (rows,), dtype, chunk_size, _fill(dtype))
+                backend.create("labels", (rows,), dtype, chunk_size, fill_value(dtype))
             backend.create_markers(-(-rows // chunk_size))
             if ids is None:
                 backend.create("ids", (rows,), np.int64, chunk_size, None)
@@ -503,9 +504,9 @@ class StoreWriter:
     def num_chunks(self) -> int | None:
         return None if self.num_samples is None else -(-self.num_samples // self.chunk_size)
 
-    def done(self) -> dict[int, list[Failure]]:
-        """The complete chunks, each with its failed samples."""
-        return {c: [Failure(*f) for f in json.loads(text)["failed"]] for c, text in self.backend.markers().items()}
+    def done(self) -> set[int]:
+        """The complete chunks (their failed samples are read by `FeatureStore.failed`)."""
+        return set(self.backend.markers())
 
     def write_chunk(self, chunk: int, arrays: Mapping[str, np.ndarray], labels: np.ndarray | None, failed: Sequence[Failure]) -> None:
         """Write the rows of ``chunk`` (all of them, failed ones filled), then its marker."""
@@ -531,7 +532,7 @@ class StoreWriter:
         """Mark the store complete, after checking that every one of its chunks is."""
         if self.num_samples is None:
             self.meta["num_samples"] = self.num_samples = num_samples
-        missing = sorted(set(range(self.num_chunks or 0)) - set(self.backend.markers()))
+        missing = sorted(set(range(self.num_chunks or 0)) - self.done())
         if missing:
             raise StoreError(f"chunks {missing[:10]} of {self.backend.path} are not written; the store stays incomplete")
         self.meta["complete"] = True
