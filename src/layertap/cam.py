@@ -250,12 +250,12 @@ def _spatial(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(2, t.dim()))
 
 
-def normalize(maps: torch.Tensor) -> torch.Tensor:
-    """Per-image min-max normalisation of ``[B, *spatial]`` maps, pytorch-grad-cam's epsilon."""
+def normalize(maps: torch.Tensor, eps: float = _EPS) -> torch.Tensor:
+    """Per-image min-max normalisation of ``[B, *spatial]`` maps (default: pytorch-grad-cam's epsilon)."""
     flat = maps.flatten(1)
     low = flat.amin(1).view(-1, *[1] * (maps.dim() - 1))
     maps = maps - low
-    return maps / (_EPS + maps.flatten(1).amax(1).view_as(low))
+    return maps / (eps + maps.flatten(1).amax(1).view_as(low))
 
 
 def upsample(maps: torch.Tensor, size: Sequence[int], align_corners: bool = False) -> torch.Tensor:
@@ -683,9 +683,7 @@ class ScoreCAM(CAM):
         with explain_failures(self.model), torch.no_grad():
             for b, start in itertools.product(range(a.shape[0]), range(0, a.shape[1], self.batch_size)):
                 chunk = upsample(a[b : b + 1, start : start + self.batch_size], size, align_corners=True)[0]
-                low = chunk.flatten(1).amin(1).view(-1, *[1] * len(size))
-                high = chunk.flatten(1).amax(1).view_as(low)
-                masks = ((chunk - low) / (high - low + 1e-8))[:, None]
+                masks = normalize(chunk, eps=1e-8)[:, None]  # pytorch-grad-cam's Score-CAM epsilon
                 output = run_model(self.model, call.inputs[b : b + 1] * masks.to(call.inputs.dtype))
                 targets = call.targets if callable(call.targets) else [call.targets[b]] * len(masks)
                 scores[b, start : start + len(masks)] = score(pick_logits(output, self.output), targets).float().cpu()

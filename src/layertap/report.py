@@ -42,9 +42,11 @@ from . import cam
 from .data import ImageFiles
 from .dataset import model_fingerprint
 from .errors import LayertapError, require
+from .features import place_model
 from .images import load_image
 from .loading import ModelLoadError, load_model, model_info, spec_kind
 from .overlay import overlay
+from .select import named_layers
 from .stats import LayerStats, StatsTable, summarize
 from .stats import stats as activation_stats
 from .store import FeatureStore, open_features
@@ -296,10 +298,8 @@ def _heatmaps_section(ctx: _Context, method: str, count: int, layer: str | None)
     rows = _spread(ctx.valid, count)
     paths = ctx.image_paths(rows)
     x = torch.stack([info.transform(load_image(p)) for p in paths])
-    device = next(model.parameters(), torch.empty(0)).device
+    device = place_model(model, None)
     explainer = cam.METHODS[method](model, layer)
-    if layer is None:  # the method picks its layer at its first call, at a cost that grows with the batch
-        explainer(x[:1].to(device))
     maps = explainer(x.to(device)).cpu()
     probs = explainer.logits.detach().float().softmax(-1).cpu()
     # show the input as the model saw it (resized, cropped), its normalisation undone by a stretch to [0, 1]
@@ -410,7 +410,7 @@ def _pca_section(ctx: _Context) -> str:
 def _stored_stats(ctx: _Context) -> StatsTable:
     """The statistics of the stored features (of the sampled rows), as `layertap.stats` reports them."""
     layer_of = {a["key"]: a["layer"] for a in ctx.meta["arrays"]}
-    modules = dict(ctx.model.named_modules()) if ctx.model is not None else {}
+    modules = named_layers(ctx.model) if ctx.model is not None else {}
     rows = {}
     for key in ctx.store:
         total = None

@@ -48,6 +48,7 @@ from torch import nn
 from . import nested
 from .errors import LayerNotFoundError
 from .data import iter_batches
+from .distributed import Processes
 from .failures import explain_failures
 from .features import place_model, run_model
 from .loading import model_info
@@ -520,8 +521,7 @@ def _merge_ranks(summaries: dict[tuple[str, int], Summary]) -> dict[tuple[str, i
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return summaries
     local = {key: nested.map_leaves(lambda t: t.cpu(), s) for key, s in summaries.items()}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)  # a few numbers per layer: cheap on any backend
+    gathered = Processes(dist.get_rank(), dist.get_world_size()).gather(local)  # a few numbers per layer
     merged: dict[tuple[str, int], Summary] = {}
     for part in gathered:
         for key, summary in part.items():

@@ -30,6 +30,7 @@ from torch import nn
 
 from . import nested
 from .failures import explain_failures
+from .features import place_model
 from .loading import model_info
 from .select import Layers, named_layers
 from .tap import Inputs, Tap, tap
@@ -286,8 +287,7 @@ def summary(
     if depth is not None and depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
     if not example_inputs and not example_kwargs:
-        device = next(model.parameters(), torch.empty(0)).device
-        example_inputs = (model_info(model).example().to(device),)
+        example_inputs = (model_info(model).example().to(place_model(model, None)),)
     all_layers = named_layers(model)
     if layers is None:  # the root is selected by its name only; nn.Module matches every other layer
         layers = ["", nn.Module] if len(all_layers) > 1 else ""

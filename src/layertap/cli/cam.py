@@ -12,6 +12,7 @@ import torch
 
 from ..cam import METHODS
 from ..errors import LayertapError, require
+from ..features import place_model
 from ..images import find_images, load_image
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
@@ -131,8 +132,7 @@ def cam(
     if size is not None and len(size) != 2:
         raise typer.BadParameter("give the input size as H,W, e.g. 224,224", param_hint="'--size'")
     net = load_model(model, arch=arch, trust=trust)
-    if device is not None:
-        net.to(device)
+    where = place_model(net, device)
     info = model_info(net)
     transform = info.transform
     if size is not None or mean_values is not None or std_values is not None:
@@ -150,8 +150,6 @@ def cam(
     out.mkdir(parents=True, exist_ok=True)
     names = safe_names(ids)
     explainer = METHODS[method](net, layer or None)
-    param = next(net.parameters(), None)
-    where = param.device if param is not None else torch.device("cpu")
     for start in range(0, len(paths), batch_size):
         chunk = range(start, min(start + batch_size, len(paths)))
         pictures = [load_image(paths[i]) for i in chunk]
