@@ -33,3 +33,21 @@ def slow() -> Slow:
 if __name__ == "__main__":
     data, out, fmt = sys.argv[1:4]
     layertap.extract_dataset(Slow(), data, ["conv", "pool"], out, format=fmt, batch_size=4, chunk_size=8, progress=False)
+
+
+def quick() -> torch.nn.Module:
+    """A model too small to take time: runs killed at random moments land anywhere, writes too."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+
+
+def extract_counting(data: str, out: str, fmt: str, batches) -> None:
+    """Extract with `quick`, counting the batches begun in the shared value ``batches``."""
+    model = quick()
+
+    def count(module, args):
+        with batches.get_lock():
+            batches.value += 1
+
+    model.register_forward_pre_hook(count)
+    layertap.extract_dataset(model, data, ["1", "3"], out, format=fmt, batch_size=2, chunk_size=4, num_workers=0, progress=False)

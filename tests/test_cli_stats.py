@@ -1,6 +1,7 @@
 """`layertap stats`: end to end on an image folder, against NumPy over the model's activations."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -22,7 +23,10 @@ LAYERS = ["features.block1.bn", "features.block1.relu", "features.block2.pool", 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A ShapesCNN whose block1 channels 2 and 5 never fire, saved as a state dict, and 10 images."""
+    """A ShapesCNN whose block1 channels 2 and 5 never fire, saved as a state dict, and 10 images.
+
+    The images are stacked in the order the command reads the folder: sorted paths.
+    """
     root = tmp_path_factory.mktemp("cli_stats")
     torch.manual_seed(0)
     model = ShapesCNN().eval()
@@ -31,14 +35,18 @@ def setup(tmp_path_factory):
         model.features.block1.bn.bias[[2, 5]] = -1.0
     weights = root / "weights.pt"
     torch.save(model.state_dict(), weights)
-    paths = save_images(generate(10, seed=3), root / "images")
+    paths = sorted(save_images(generate(10, seed=3), root / "images"))
     transform = layertap.model_info(model).transform  # what the command uses for images
     images = torch.stack([transform(Image.open(p)) for p in paths])
     return model, str(weights), root / "images", images
 
 
-def reference(model, inputs):
-    return {n: v.double().numpy() for n, v in layertap.extract(model, inputs, LAYERS, stop_early=False).items()}
+def reference(model, inputs, batch_size=None):
+    """The layers' outputs over ``inputs``, as float64, run in batches of ``batch_size`` (default: one)."""
+    batches = inputs.split(batch_size) if batch_size else [inputs]
+    with torch.no_grad():
+        outputs = [layertap.extract(model, b, LAYERS, stop_early=False) for b in batches]
+    return {n: torch.cat([o[n] for o in outputs]).double().numpy() for n in LAYERS}
 
 
 def test_subprocess_json_matches_numpy(setup):
@@ -46,13 +54,28 @@ def test_subprocess_json_matches_numpy(setup):
     args = [weights, str(folder), "--arch", ARCH, "--per-channel", "--bins", "16", "--json", "--batch-size", "4"]
     for layer in LAYERS:
         args += ["--layers", layer]
+    # one thread in the command and in the reference, and the reference cut into the command's
+    # batches (4 + 4 + 2): MKL picks other kernels for other batch sizes (and may for other thread
+    # counts), which moves values by an ulp on AVX-512, and min, max and the histogram are exact
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "layertap", "stats", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "layertap", "stats", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=one_thread,
     )
     assert done.returncode == 0, done.stderr
     saved = json.loads(done.stdout)
     assert list(saved["layers"]) == LAYERS
-    for name, values in reference(model, images).items():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = reference(model, images, batch_size=4)
+    finally:
+        torch.set_num_threads(threads)
+    for name, values in expected.items():
         row = saved["layers"][name]
         scale = np.abs(values).max()
         assert row["count"] == values.size

@@ -50,7 +50,7 @@ def shapes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shapes_page(shapes):
     """``layertap report STORE``, nothing else given: the model and images come from the store."""
-    assert run(["report", str(shapes / "features.zarr"), "--out", str(shapes / "page.html")]) == 0
+    assert run(["report", str(shapes / "features.zarr"), "--out", str(shapes / "page.html"), "--trust"]) == 0
     return (shapes / "page.html").read_text()
 
 
@@ -165,7 +165,7 @@ def torchvision_page(torchvision_store):
     """``layertap report STORE`` of the resnet18 store, and what it printed."""
     path, _ = torchvision_store
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        assert run(["report", str(path)]) == 0  # its page goes beside it
+        assert run(["report", str(path), "--trust"]) == 0  # its page goes beside it
     return path.with_suffix(".html"), printed.getvalue()
 
 
@@ -191,7 +191,7 @@ def test_the_model_that_wrote_a_store_explains_it(torchvision_store):
 
 
 def test_missing_images_and_unreadable_samples(shapes, tmp_path):
-    nowhere = build_report(shapes / "features.zarr", tmp_path / "a.html", images=tmp_path / "nowhere").read_text()
+    nowhere = build_report(shapes / "features.zarr", tmp_path / "a.html", model="layertap:shapes", images=tmp_path / "nowhere").read_text()
     assert "Not shown: 16 of the store&#x27;s image files are not where it says" in sections(nowhere)["Heatmaps"]
 
     folder = tmp_path / "images"

@@ -37,7 +37,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from . import nested
 from .errors import LayertapError
-from .images import CorruptImageError, find_images, load_image
+from .images import CorruptImageError, find_images, load_image, pixel_limit
 
 OnError = Literal["fail", "skip"]
 ON_ERROR = ("fail", "skip")
@@ -141,17 +141,28 @@ def image_to_tensor(image: Any) -> torch.Tensor:
 
 
 class ImageFiles(Dataset):
-    """Image files as a dataset: ``(transform(image), label)`` or ``transform(image)``."""
+    """Image files as a dataset: ``(transform(image), label)`` or ``transform(image)``.
 
-    def __init__(self, paths: Sequence[Path], labels: Sequence[int] | None, transform: Callable | None) -> None:
+    An image over ``max_image_pixels`` (see `layertap.images.load_image`) is a `CorruptImageError`.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        labels: Sequence[int] | None,
+        transform: Callable | None,
+        *,
+        max_image_pixels: int | None = None,
+    ) -> None:
         self.paths, self.labels = list(paths), labels
         self.transform = transform or image_to_tensor
+        self.max_image_pixels = pixel_limit(max_image_pixels)  # fixed here: worker processes get this number
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> Any:
-        image = self.transform(load_image(self.paths[i]))
+        image = self.transform(load_image(self.paths[i], self.max_image_pixels))
         return image if self.labels is None else (image, self.labels[i])
 
 
@@ -191,8 +202,8 @@ class _Guarded(Dataset):
         try:
             return i, self.dataset[i]
         except self.catch as e:
-            cause = e.__cause__ if isinstance(e, CorruptImageError) and e.__cause__ else e
-            return i, _Failed(f"{type(cause).__name__}: {cause}", str(e))
+            error = e.reason if isinstance(e, CorruptImageError) else " ".join(f"{type(e).__name__}: {e}".split())
+            return i, _Failed(error, str(e))
 
 
 class _Collate:
@@ -364,6 +375,7 @@ def open_data(
     on_error: OnError = "fail",
     limit: int | None = None,
     pin_memory: bool = False,
+    max_image_pixels: int | None = None,
 ) -> DataSource:
     """The `DataSource` of ``data`` (see the module docs for what ``data`` may be).
 
@@ -375,6 +387,9 @@ def open_data(
         on_error: ``"fail"`` stops at an unreadable sample with its path; ``"skip"`` leaves it
             out of the batch and lists it in ``Batch.failed`` (datasets and folders only).
         limit: use only the first ``limit`` samples.
+        max_image_pixels: an image file with more pixels is unreadable (a decompression bomb):
+            default PIL's limit (``PIL.Image.MAX_IMAGE_PIXELS``: it refuses twice that, about 179
+            million pixels); ``0``: no limit. See `layertap.images`.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"unknown on_error={on_error!r}: use 'fail' or 'skip'")
@@ -396,7 +411,7 @@ def open_data(
             rows = ArrayRows(np.load(path, mmap_mode="r"))
             return _Indexed(rows, ids=None, description=f"array {path}", loader_options=options(False), **common)
         images = find_images(path)
-        dataset = ImageFiles(images.paths, images.labels, transform)
+        dataset = ImageFiles(images.paths, images.labels, transform, max_image_pixels=max_image_pixels)
         source = _Indexed(
             dataset,
             ids=images.ids(),
@@ -460,13 +475,14 @@ def iter_batches(
     transform: Callable[[Any], Any] | None = None,
     on_error: OnError = "fail",
     shard: Sequence[int] | np.ndarray | None = None,
+    max_image_pixels: int | None = None,
 ) -> Iterator[Batch]:
     """`Batch` after `Batch` of ``data``: inputs, labels, ids and global indices.
 
     Args:
         data: an image folder or file, a ``.npy`` path, a Dataset, a DataLoader, a tensor of
             samples or an iterable of batches (see the module docs).
-        batch_size, num_workers, transform, on_error: see `open_data`.
+        batch_size, num_workers, transform, on_error, max_image_pixels: see `open_data`.
         shard: the global indices of the samples to visit (sorted), e.g. one process's share;
             default all. Batches are cut from this list, so a shard made of whole runs of
             ``batch_size`` samples gets the same batches as a full pass.
@@ -475,7 +491,14 @@ def iter_batches(
     >>> [b.index.tolist() for b in iter_batches(torch.randn(6, 2), batch_size=2, shard=[2, 3, 4, 5])]
     [[2, 3], [4, 5]]
     """
-    source = open_data(data, batch_size=batch_size, num_workers=num_workers, transform=transform, on_error=on_error)
+    source = open_data(
+        data,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        transform=transform,
+        on_error=on_error,
+        max_image_pixels=max_image_pixels,
+    )
     return source.batches(shard)
 
 

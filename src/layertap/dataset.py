@@ -31,10 +31,9 @@ import itertools
 import json
 import queue
 import re
-import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,26 +47,25 @@ from .data import Batch, DataSource, Failure, OnError, open_data
 from .distributed import Processes, job, launched, rank_device
 from .failures import explain_failures
 from .features import place_model, run_model
+from .fingerprint import Verifier, batch_digests, failed_digests
 from .loading import model_info
 from .select import Layers, select
 from .store import (
     ArraySpec,
     FeatureStore,
+    Layout,
+    Location,
     StoreError,
     StoreWriter,
-    Location,
     array_key,
     array_specs,
-    detect_format,
     fill_value,
     format_for,
-    is_url,
     location,
-    occupied,
-    remove_store,
+    open_or_create,
+    settings_differences,
 )
 from .tap import Tap, tap
-from .units import human_bytes
 
 CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
 MAX_CHUNK = 4096  # samples: also the granularity of resuming
@@ -196,6 +194,7 @@ class _Chunk:
     def __init__(self, specs: list[ArraySpec], labels_dtype: str | None, length: int) -> None:
         self.arrays = {s.key: np.empty((length, *s.shape), dtype=s.dtype) for s in specs}
         self.labels = None if labels_dtype is None else np.empty(length, dtype=labels_dtype)
+        self.digests: list[str] = [""] * length
         self.length = length
         self.reset()
 
@@ -203,18 +202,21 @@ class _Chunk:
         self.count = 0
         self.failed: list[Failure] = []
 
-    def put(self, at: np.ndarray, arrays: dict[str, np.ndarray], rows: slice, labels: np.ndarray | None) -> None:
+    def put(self, at: np.ndarray, arrays: dict[str, np.ndarray], rows: slice, labels: np.ndarray | None, digests: list[str]) -> None:
         for key, a in arrays.items():
             self.arrays[key][at] = a[rows]
         if self.labels is not None:
             self.labels[at] = labels[rows] if labels is not None else fill_value(self.labels.dtype)
+        for i, digest in zip(at.tolist(), digests[rows]):
+            self.digests[i] = digest
         self.count += len(at)
 
-    def fail(self, at: int, failure: Failure) -> None:
+    def fail(self, at: int, failure: Failure, digest: str) -> None:
         for a in self.arrays.values():
             a[at] = fill_value(a.dtype)
         if self.labels is not None:
             self.labels[at] = fill_value(self.labels.dtype)
+        self.digests[at] = digest
         self.failed.append(failure)
         self.count += 1
 
@@ -265,12 +267,13 @@ class _Sink:
         self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
         self.thread.start()
 
-    def put(self, index: np.ndarray, arrays: dict[str, torch.Tensor], labels: torch.Tensor | None, failed: list[Failure]) -> None:
+    def put(self, batch: Batch, arrays: dict[str, torch.Tensor], digests: list[str], failed: list[str]) -> None:
+        """Hand over a batch's features with its samples' digests (readable, then failed ones)."""
         host, event = _to_host(arrays)  # on a GPU the copy runs while we wait
         self.idle.acquire()  # released by the writer after each batch, even one that failed
         if self.error is not None:
             raise self.error
-        self.queue.put((index, host, labels, failed, event))
+        self.queue.put((batch.index, host, batch.labels, list(zip(batch.failed, failed)), digests, event))
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -295,7 +298,7 @@ class _Sink:
             self.chunks[c] = spare
         return self.chunks[c]
 
-    def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[Failure], event: Any) -> None:
+    def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[tuple[Failure, str]], digests: list[str], event: Any) -> None:
         if event is not None:
             event.synchronize()
         arrays = {k: t.numpy() for k, t in host.items()}
@@ -311,13 +314,13 @@ class _Sink:
                 rows = slice(lo, hi)
                 if c not in self.chunks and hi - lo == end - start:  # the whole chunk: write it as it is
                     part = None if label_array is None else label_array[rows]
-                    self.writer.write_chunk(c, {k: a[rows] for k, a in arrays.items()}, part, [])
+                    self.writer.write_chunk(c, {k: a[rows] for k, a in arrays.items()}, part, [], digests[rows])
                     continue
-                self._chunk(c).put(index[rows] - start, arrays, rows, label_array)
+                self._chunk(c).put(index[rows] - start, arrays, rows, label_array, digests)
                 touched.add(c)
-        for f in failed:
+        for f, digest in failed:
             c = f.index // size
-            self._chunk(c).fail(f.index - c * size, f)
+            self._chunk(c).fail(f.index - c * size, f, digest)
             touched.add(c)
         for c in sorted(touched):
             if self.chunks[c].count == self.chunks[c].length:
@@ -326,7 +329,7 @@ class _Sink:
     def _write(self, c: int, rows: int) -> None:
         chunk = self.chunks.pop(c)
         labels = None if chunk.labels is None else chunk.labels[:rows]
-        self.writer.write_chunk(c, {k: a[:rows] for k, a in chunk.arrays.items()}, labels, chunk.failed)
+        self.writer.write_chunk(c, {k: a[:rows] for k, a in chunk.arrays.items()}, labels, chunk.failed, chunk.digests[:rows])
         self.spare = chunk
 
     def close(self, end: int | None) -> None:
@@ -342,32 +345,6 @@ class _Sink:
             for c, chunk in list(self.chunks.items()):
                 if chunk.count == end - c * self.writer.chunk_size:  # the data's last chunk, of unknown length
                     self._write(c, chunk.count)
-
-
-# ----------------------------------------------------------------------------------- sizes
-def _compression(arrays: Iterable[torch.Tensor], format: str) -> float:
-    """The fraction of its size that one batch keeps once compressed as the format stores it."""
-    if format != "zarr":
-        return 1.0
-    from numcodecs import Blosc  # installed with zarr
-
-    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
-    raw = packed = 0
-    for t in arrays:
-        a = np.ascontiguousarray(t.detach().cpu().numpy())
-        raw += a.nbytes
-        packed += len(codec.encode(a))
-    return packed / raw if raw else 1.0
-
-
-def _free_space(path: Location) -> int | None:
-    """Free bytes where ``path`` goes; ``None`` for an object store (it does not say)."""
-    if is_url(path):
-        return None
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 # ------------------------------------------------------------------------------- the run
@@ -393,38 +370,6 @@ def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 
     missing = [c for c in range(writer.num_chunks) if c not in done][rank::world]
     parts = [np.arange(c * size, min(n, (c + 1) * size), dtype=np.int64) for c in missing]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _differences(old: dict, new: dict, sep: str) -> str:
-    """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
-    what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
-    return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
-
-
-def _open_existing(out: Location, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
-    """The store to continue at ``out``, or ``None`` to write a new one (after removing an old one)."""
-    found = detect_format(out)
-    if found is None:
-        if occupied(out):
-            raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
-        return None
-    writer = StoreWriter.open(out)
-    meta = writer.meta
-    if overwrite or not meta.get("ready"):  # not ready: killed while creating it; nothing to keep
-        writer.close()
-        remove_store(out)
-        return None
-    problem = None
-    if not resume:
-        problem = "already holds features"
-    elif format is not None and format != meta["format"]:
-        problem = f"is a {meta['format']} store, not {format}"
-    elif changed := _differences(meta["settings"], settings, ", now "):
-        problem = f"was written with other settings: {changed}"
-    if problem:
-        writer.close()
-        raise StoreError(f"{out} {problem}: pass overwrite=True (--overwrite) to replace it, or write to another path")
-    return writer
 
 
 def _versions(format: str) -> dict:
@@ -480,6 +425,7 @@ def extract_dataset(
     chunk_size: int | None = None,
     limit: int | None = None,
     distributed: bool = True,
+    max_image_pixels: int | None = None,
 ) -> FeatureStore:
     """Run ``model`` over all of ``data`` and write the features of ``layers`` to ``out``.
 
@@ -500,14 +446,19 @@ def extract_dataset(
         device: where to run; the model is moved there. Default: where its weights are.
         format: ``"zarr"``, ``"hdf5"`` or ``"npy"``; default from ``out``'s suffix, else Zarr.
         resume: continue the interrupted run that wrote ``out`` with the same settings (its
-            missing chunks only). Different settings, or ``resume=False``, are an error unless
-            ``overwrite=True``, which replaces the store.
+            missing chunks only), after checking that the samples of its written chunks are
+            the same, content and all (see `layertap.fingerprint`). Different settings or data,
+            or ``resume=False``, are an error unless ``overwrite=True``, which replaces the
+            store (a layertap store only). One extraction writes a store at a time: another one
+            running on ``out`` is an error naming it (`layertap.errors.StoreLockedError`).
         on_error: an unreadable image stops the run naming it (``"fail"``) or is recorded in
             the store's ``failed`` list, its rows NaN (``"skip"``).
         progress: print the size estimate and show a progress bar (on a terminal only).
         chunk_size: samples per chunk (default: whole batches, about 16 MB); the unit of
             writing and of resuming.
         limit: only the first ``limit`` samples.
+        max_image_pixels: the largest image (in pixels) read from files; ``None``: Pillow's limit
+            against decompression bombs, ``0``: none. A larger image fails as a bad image does.
         distributed: under ``torchrun`` (``WORLD_SIZE`` > 1), share the work with the job's
             other processes, which must all make this same call (see `layertap.distributed`).
             ``False``: this process extracts alone, e.g. on rank 0 of a training job.
@@ -545,6 +496,7 @@ def extract_dataset(
         on_error=on_error,
         limit=limit,
         pin_memory=run_device.type == "cuda",
+        max_image_pixels=max_image_pixels,
     )
     if source.num_samples == 0:
         raise StoreError(f"{source.description} holds no samples")
@@ -567,9 +519,9 @@ def extract_dataset(
             "versions": _versions(fmt),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
-        run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, fmt, meta, progress, chunk_size, procs)
+        run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, format, meta, progress, chunk_size, procs)
         try:
-            run.extract(lambda: _open_existing(out, format, settings, resume, overwrite))
+            run.extract(resume=resume, overwrite=overwrite)
         finally:
             if run.writer is not None:
                 run.writer.close()
@@ -579,42 +531,50 @@ def extract_dataset(
 def _check_same_everywhere(procs: Processes, settings: dict) -> None:
     """Refuse a job whose processes would write different things into one store."""
     for rank, theirs in enumerate(procs.gather(settings)):
-        if changed := _differences(theirs, settings, " vs "):
+        if changed := settings_differences(theirs, settings, " vs "):
             raise StoreError(
                 f"rank {rank} of {procs.world} has other settings than this rank ({procs.rank}): {changed}: "
                 "every process must load the same model (seed random weights) and read the same data"
             )
 
 
-class _Run:
-    """One extraction: find or create the store, plan the chunks to do, run the batches.
+Computed = tuple[Batch, dict[tuple[str, int | None], torch.Tensor]]  # a batch and its features
 
-    With several processes, rank 0 alone checks, creates and finishes the store; each process
-    writes the chunks dealt to it.
+
+class _Run:
+    """One extraction: open or create the store, check what it holds, run the missing batches.
+
+    With several processes, rank 0 alone opens (locks), checks, creates and finishes the
+    store; each process writes the chunks dealt to it.
     """
 
-    def __init__(self, forward: _Forward, source: DataSource, out: Location, format: str, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
+    def __init__(self, forward: _Forward, source: DataSource, out: Location, format: str | None, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
         self.forward, self.source, self.out, self.format, self.meta = forward, source, out, format, meta
         self.chunk_size, self.procs = chunk_size, procs
         self.progress = progress and procs.main  # one bar and one voice per job
         self.writer: StoreWriter | None = None
+        self.read_first: list[Computed] = []  # batches read to lay out a new store, still to write
+        self.reader: Iterator[Computed] | None = None  # the run's batches, when reading them began there
+        self.end = 0  # where the data read so far ended (for data of unknown length)
 
-    def extract(self, open_existing: Callable[[], StoreWriter | None]) -> None:
+    def extract(self, *, resume: bool, overwrite: bool) -> None:
         procs = self.procs
-        state = procs.share(lambda: self._start(open_existing))
+        state = procs.share(lambda: self._start(resume, overwrite))
         if state == "complete":
             _say(self.progress, f"{self.out} is already complete")
             return
-        if state != "new":
-            procs.together(self._open)  # rank 0 made or checked it; the others open it
-        done: list[int] = []
-        if self.writer is not None:
-            self.writer.process = procs.rank
-            # one view of the chunks done, taken before any process writes, so the plans agree
-            done = procs.share(lambda: sorted(self.writer.done()))
-            if state == "resume":
-                _say(self.progress, f"resuming {self.out}: {len(done)} of {self.writer.num_chunks or '?'} chunks already written")
-        end = procs.together(lambda: self._batches(done))
+        procs.together(self._open)  # rank 0 made or checked it; the others open it
+        self.writer.process = procs.rank
+        # one view of the chunks done, taken before any process writes, so the plans agree
+        done = procs.share(lambda: sorted(self.writer.done()))
+        verifier = None
+        if state == "resume":
+            _say(self.progress, f"resuming {self.out}: {len(done)} of {self.writer.num_chunks or '?'} chunks already written")
+            recorded = {c: m.digests for c, m in self.writer.markers().items() if m.digests is not None}
+            verifier = Verifier(recorded, self.writer.chunk_size, self.source, str(self.out))
+            if self.source.indexed:  # a stream is checked as it is read again
+                procs.share(verifier.check_all)
+        end = procs.together(lambda: self._batches(done, verifier))
         procs.share(lambda: self.writer.finish(self.source.num_samples or end))
 
     def _open(self) -> None:
@@ -628,18 +588,27 @@ class _Run:
                 "folder that all machines share (with the same path) or at an object-store URL"
             ) from e
 
-    def _start(self, open_existing: Callable[[], StoreWriter | None]) -> str:
-        """On rank 0: ``"complete"``, ``"resume"`` (a store to continue) or ``"new"``. A new store is
-        made here when other processes will write into it; else at the first batch."""
-        self.writer = open_existing()
-        if self.writer is not None:
-            return "complete" if self.writer.meta["complete"] else "resume"
-        if self.procs.world == 1:
-            return "new"
-        self.writer = self._create(*self._probe())
-        return "created"
+    def _start(self, resume: bool, overwrite: bool) -> str:
+        """On rank 0: lock the store, then ``"complete"``, ``"resume"`` or ``"new"``."""
+        self.writer = open_or_create(
+            self.out, self.format, self.meta, resume=resume, overwrite=overwrite, layout=self._layout, say=lambda m: _say(self.progress, m)
+        )
+        return self.writer.state
 
-    def _probe(self) -> tuple[Batch, dict[tuple[str, int | None], torch.Tensor]]:
+    def _layout(self) -> Layout:
+        """A new store's arrays, from the first readable features: alone, the first batches of
+        the run itself (read once); with other processes, a probe of two samples."""
+        if self.procs.world == 1:
+            reader = self._read(None, [], None)
+            for batch, leaves in reader:
+                self.read_first.append((batch, leaves))
+                if leaves:
+                    self.reader = itertools.chain(self.read_first, reader)
+                    return self._layout_of(batch, leaves)
+            raise self._unreadable([f for b, _ in self.read_first for f in b.failed])
+        return self._layout_of(*self._probe())
+
+    def _probe(self) -> Computed:
         """The features of the first two readable samples: the store's shapes, before the real run."""
         n = self.source.num_samples
         failed: list[Failure] = []
@@ -655,36 +624,54 @@ class _Run:
         first = f", first {failed[0].id}: {failed[0].error}" if failed else ""
         return StoreError(f"no sample of {self.source.description} could be read ({len(failed)} failed{first})")
 
-    def _batches(self, done: list[int]) -> int:
+    def _layout_of(self, batch: Batch, leaves: dict[tuple[str, int | None], torch.Tensor]) -> Layout:
+        specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
+        size = _chunk_size(
+            self.source.batch_size or len(batch) + len(batch.failed),
+            sum(s.sample_bytes for s in specs),
+            self.chunk_size,
+            self.source.num_samples,
+            self.procs.world,
+        )
+        return Layout(
+            specs,
+            self.source.num_samples,
+            size,
+            self.source.ids,
+            None if batch.labels is None else str(batch.labels.numpy().dtype),
+            {array_key(*k): t.detach().cpu().numpy() for k, t in leaves.items()},
+        )
+
+    def _read(self, shard: np.ndarray | None, done: list[int], verifier: Verifier | None) -> Iterator[Computed]:
+        """The batches of ``shard`` with their features. Data read in order (``shard=None``) skips
+        the rows of chunks ``done`` before, after checking them against the store."""
+        for batch in self.source.batches(shard):
+            self.end = max(self.end, *(int(i) + 1 for i in batch.index[-1:]), *(f.index + 1 for f in batch.failed))
+            if done and shard is None:
+                written = np.isin(batch.index // self.writer.chunk_size, done)
+                if verifier is not None and written.any():
+                    old = batch.take(np.flatnonzero(written))
+                    verifier.check(old.index, batch_digests(self.source, old))
+                batch = batch.take(np.flatnonzero(~written))
+            yield batch, (self.forward(batch.inputs, len(batch)) if len(batch) else {})
+
+    def _batches(self, done: list[int], verifier: Verifier | None) -> int:
         """Run the batches of this process's chunks into the store; where the data ended."""
-        shard = _plan(self.writer, done, self.procs.rank, self.procs.world) if self.writer is not None else None
+        shard = _plan(self.writer, done, self.procs.rank, self.procs.world)
+        reader = self.reader or self._read(shard, done, verifier)
         bar = _progress(self.progress, len(shard) if shard is not None else self.source.num_samples)
-        sink = _Sink(self.writer) if self.writer is not None else None
-        waiting: list[Failure] = []  # failed samples seen before the store exists
-        end = 0  # where the data ended (for data of unknown length)
+        sink: _Sink | None = _Sink(self.writer)
         try:
-            for batch in self.source.batches(shard):
-                end = max(end, *(int(i) + 1 for i in batch.index[-1:]), *(f.index + 1 for f in batch.failed))
-                if done and shard is None:  # data of unknown length: leave out the chunks written before
-                    batch = batch.take(np.flatnonzero(~np.isin(batch.index // self.writer.chunk_size, done)))
-                leaves = self.forward(batch.inputs, len(batch)) if len(batch) else {}
+            for batch, leaves in reader:
                 arrays = {array_key(*k): t for k, t in leaves.items()}
-                if sink is None:
-                    if not arrays:
-                        waiting += batch.failed
-                        continue
-                    self.writer = self._create(batch, leaves)
-                    sink = _Sink(self.writer)
-                    batch.failed = waiting + batch.failed
-                elif arrays:
+                if arrays:
                     self._check(arrays, batch)
                 if arrays or batch.failed:
-                    sink.put(batch.index, arrays, batch.labels, batch.failed)
+                    digests = batch_digests(self.source, batch) if len(batch) else []
+                    sink.put(batch, arrays, digests, failed_digests(self.source, batch.failed))
                 if bar is not None:
                     bar.update(len(batch) + len(batch.failed))
-            if sink is None:
-                raise self._unreadable(waiting)
-            sink.close(end)
+            sink.close(self.end)
             sink = None
         except BaseException:
             if sink is not None:
@@ -692,9 +679,10 @@ class _Run:
                     sink.close(None)  # keep every whole chunk done so far
             raise
         finally:
+            self.read_first.clear()
             if bar is not None:
                 bar.close()
-        return end
+        return self.end
 
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
         for spec in self.writer.specs:
@@ -706,37 +694,6 @@ class _Run:
                     f"{list(spec.shape)} {spec.dtype}: samples must give one feature shape (resize inputs to one "
                     "size, or pool with reduce='mean')"
                 )
-
-    def _create(self, batch: Batch, leaves: dict[tuple[str, int | None], torch.Tensor]) -> StoreWriter:
-        """The new store, shaped by the first batch's features, once the disk is known to hold it."""
-        specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
-        labels_dtype = None if batch.labels is None else str(batch.labels.numpy().dtype)
-        sample_bytes = sum(s.sample_bytes for s in specs)
-        n = self.source.num_samples
-        size = _chunk_size(self.source.batch_size or len(batch) + len(batch.failed), sample_bytes, self.chunk_size, n, self.procs.world)
-        ratio = _compression(leaves.values(), self.format)
-        if n is None:
-            _say(self.progress, f"writing ~{human_bytes(sample_bytes * ratio)} per sample to {self.out} ({self.format}); the number of samples is not known yet")
-        else:
-            need = int(sample_bytes * ratio * n) + n * 8
-            free = _free_space(self.out)
-            room = "free space unknown" if free is None else f"{human_bytes(free)} free"
-            _say(self.progress, f"~{human_bytes(need)} for {n:,} samples × {len(specs)} arrays ({human_bytes(sample_bytes)} per sample) to {self.out} ({self.format}); {room}")
-            if free is not None and need > free:
-                raise StoreError(
-                    f"the features need ~{human_bytes(need)} but only {human_bytes(free)} is free where {self.out} goes: free "
-                    "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"
-                )
-        return StoreWriter.create(
-            self.out,
-            self.format,
-            self.meta,
-            specs,
-            num_samples=n,
-            chunk_size=size,
-            ids=self.source.ids,
-            labels_dtype=labels_dtype,
-        )
 
 
 __all__ = ["extract_dataset", "model_fingerprint"]

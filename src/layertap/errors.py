@@ -37,6 +37,18 @@ class LayerForwardError(LayertapError):
         self.module_type = module_type
 
 
+class StoreError(LayertapError):
+    """A feature store cannot be written or read as asked; the message says why and what to do."""
+
+
+class StoreLockedError(StoreError):
+    """Another extraction is writing the store; the message names it (host, pid, start time)."""
+
+
+class DataChangedError(StoreError):
+    """A resumed extraction found samples that differ from those its written chunks were made of."""
+
+
 class MissingExtraError(LayertapError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 

@@ -5,7 +5,9 @@ Accepted specs:
 - ``torchvision:NAME[:WEIGHTS]``: ``torchvision.models.get_model(NAME)``, random weights unless
   ``WEIGHTS`` names a weights enum member (``IMAGENET1K_V2``, ``DEFAULT``);
 - ``timm:NAME[:pretrained]``: ``timm.create_model(NAME)``, random weights unless ``:pretrained``;
-- ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub;
+- ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub.
+  A folder that brings its own Python code (``auto_map`` in its config) is refused unless
+  ``trust=True`` (``--trust``), and pickled ``.bin`` weights are read only as plain tensors;
 - ``PATH.pt`` / ``PATH.pth``: a TorchScript archive, or a state dict for ``arch=`` (another
   spec). Files are read with ``torch.load(weights_only=True)``, which never runs code from the
   file; a pickled ``nn.Module`` is refused unless ``trust=True`` (``--trust``);
@@ -26,6 +28,7 @@ that resumes an extraction, builds the same model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -33,7 +36,7 @@ import importlib
 import pickle
 import re
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,13 +265,54 @@ class ProcessorTransform:
         return self.processor(images=image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
 
 
-def _hf(path_or_name: str) -> tuple[nn.Module, ModelInfo]:
+def _custom_code(spec: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{spec} brings its own Python code (auto_map in its config files), which runs when it is loaded; "
+        "layertap runs it only if you trust the folder: read its .py files, then pass --trust (trust=True)"
+    )
+
+
+def _unpickling(e: BaseException | None) -> bool:
+    """Whether ``e`` comes from a refused unpickling (older transformers wrap it in an OSError)."""
+    while e is not None:
+        if isinstance(e, pickle.UnpicklingError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _hf_refusals(spec: str) -> Iterator[None]:
+    """Turn transformers' refusals of code (custom modules, pickles) into one-line errors."""
+    try:
+        yield
+    except (ValueError, OSError, pickle.UnpicklingError) as e:
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise _custom_code(spec) from e
+        if _unpickling(e):
+            raise ModelLoadError(
+                f"{spec} holds pickled weights (a .bin file) with objects other than plain tensors; unpickling "
+                "them could run code from the file, so layertap refuses them: save the model as safetensors "
+                "(save_pretrained) where you trust it"
+            ) from e
+        raise
+
+
+def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
     transformers = require("transformers", "hf")
-    model = transformers.AutoModel.from_pretrained(path_or_name)
-    info = _hf_info(model, f"hf:{path_or_name}")
+    spec = f"hf:{path_or_name}"
+    # with trust_remote_code=False, transformers would quietly use its own class for a known model
+    # type: refuse instead, as the folder means its own code
+    if not trust and "auto_map" in transformers.PretrainedConfig.get_config_dict(path_or_name)[0]:
+        raise _custom_code(spec)
+    # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
+    with _hf_refusals(spec):
+        model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)
+    info = _hf_info(model, spec)
     if info.kind == "vision":
-        try:  # the model's own preprocessing, when it was saved with the model
-            processor = transformers.AutoImageProcessor.from_pretrained(path_or_name)
+        try:  # the model's own preprocessing, when it was saved with the model (custom code still refused)
+            with _hf_refusals(spec):
+                processor = transformers.AutoImageProcessor.from_pretrained(path_or_name, trust_remote_code=trust)
         except (OSError, ValueError):
             processor = None
         if processor is not None:
@@ -416,7 +460,8 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
 
     Args:
         arch: for a state-dict file, the spec of the architecture to load it into.
-        trust: allow unpickling a whole ``nn.Module`` from a file (it can run code from the file).
+        trust: allow code that comes with the model to run: unpickling a whole ``nn.Module`` from a
+            file, a Hugging Face folder's own modeling code (``auto_map``). Never asked on stdin.
 
     >>> import layertap
     >>> layertap.load_model("torch.nn:Identity")
@@ -434,7 +479,7 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
             name, _, option = rest.partition(":")
             model, info = _timm(name, option or None)
         elif kind == "hf":
-            model, info = _hf(rest)
+            model, info = _hf(rest, trust)
         elif kind == "layertap":
             model, info = _shapes()
         elif kind == "file":

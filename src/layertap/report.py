@@ -16,9 +16,18 @@ The page (no network, no scripts; images are inlined PNGs, plots inline SVG) has
   without the model, the statistics of the stored features themselves.
 
 Everything comes from the store and, when they are at hand, the model that wrote it and the
-image files its ids name: the model is `load_model(meta["model"])` unless given, and is used
-only if its weights are those that wrote the store (`model_fingerprint`). A section that cannot
-be made is replaced by a note saying why and what to pass; it never stops the page.
+image files its ids name. The model is used only if its weights are those that wrote the store
+(`model_fingerprint`). A section that cannot be made is replaced by a note saying why and what to
+pass; it never stops the page.
+
+A store may come from someone else, so it is read as data, never as code:
+
+- the model is the one given (``model=``, ``--model``). The spec the store records is loaded only
+  with ``trust_store_model=True`` (``--trust``), after naming it on stderr: loading a spec runs
+  code (``package.module:callable`` is imported and called, a file or folder may bring its own);
+- sample ids are read only inside the image folder: an id that resolves (links followed) outside
+  it, such as ``../../x.png`` or ``/home/x.png``, makes the sections that read images unavailable,
+  and no file outside the folder is opened.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import html
 import io
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,7 +84,9 @@ class Unavailable(Exception):
 class _Context:
     """The store and what can be found about it: class names, image files, the matching model."""
 
-    def __init__(self, store: FeatureStore, model: nn.Module | str | None, images: str | Path | None, max_samples: int) -> None:
+    def __init__(
+        self, store: FeatureStore, model: nn.Module | str | None, images: str | Path | None, max_samples: int, trust_store_model: bool = False
+    ) -> None:
         self.store = store
         self.meta = store.meta
         self.ids = store.ids
@@ -83,7 +95,7 @@ class _Context:
         self.sample = _spread(self.valid, max_samples)
         self.classes = self._class_names()
         self.root = self._image_root(images)
-        self.model, self.model_note = self._model(model)
+        self.model, self.model_note = self._model(model, trust_store_model)
 
     def _class_names(self) -> list[str] | None:
         if self.labels is None:
@@ -115,21 +127,29 @@ class _Context:
         root = Path(images)
         return root.parent if root.is_file() else root
 
-    def _model(self, model: nn.Module | str | None) -> tuple[nn.Module | None, str]:
+    def _model(self, model: nn.Module | str | None, trust_store_model: bool) -> tuple[nn.Module | None, str]:
         """The model, and a note when it cannot explain the stored features.
 
-        A spec given here must load; the spec the store records is only tried.
+        A spec given here must load. The spec the store records is only tried, and only with
+        ``trust_store_model``: it is data from whoever wrote the store, and loading it runs code.
         """
         if isinstance(model, str):
             model = load_model(model)
         elif model is None:
             spec = str(self.meta.get("model", ""))
             try:
-                spec_kind(spec)
+                spec_kind(spec)  # parses the text only
             except ModelLoadError:
                 return None, f"the store names its model only as {spec!r}, not as a spec to load; pass the model with model= / --model SPEC"
+            if not trust_store_model:
+                return None, (
+                    f"the store records its model as {spec!r}, which is loaded only if you trust the store (loading a model "
+                    f"runs code); pass the model with model= / --model SPEC, or trust_store_model=True / --trust to load {spec!r}"
+                )
+            # quoted: the text is the store's, and must not pass control characters to the terminal
+            print(f"layertap: loading the model the store records (trusted): {spec!r}", file=sys.stderr, flush=True)
             try:
-                model = load_model(spec)
+                model = load_model(spec, trust=True)
             except Exception as e:  # a model that no longer loads only costs the sections that need it
                 return None, f"the store's model {spec!r} could not be loaded ({_one_line(e)}); pass it with model= / --model SPEC"
         expected = self.meta.get("settings", {}).get("model")
@@ -150,11 +170,28 @@ class _Context:
             raise Unavailable("the store's samples are not image files (their ids are indices), so there are no images to show")
         if self.root is None:
             raise Unavailable("the store does not record its image folder; pass it with images= / --images DIR")
-        paths = [self.root / self.ids[i] for i in rows]
+        root = self.root.resolve()
+        paths = [_inside(root, str(self.ids[i])) for i in rows]
+        outside = [str(self.ids[i]) for i, p in zip(rows, paths) if p is None]
+        if outside:  # checked before any file is touched: a store must not show images from elsewhere
+            more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+            raise Unavailable(
+                f"the store's sample id {outside[0]!r}{more} leads outside its image folder {root}, and layertap reads "
+                "no image outside it; the store was altered: extract it again from the images"
+            )
         missing = [p for p in paths if not p.is_file()]
         if missing:
             raise Unavailable(f"{len(missing)} of the store's image files are not where it says, e.g. {missing[0]}; pass the image folder with images= / --images DIR")
         return paths
+
+
+def _inside(root: Path, name: str) -> Path | None:
+    """``root / name`` resolved (links followed) when it lies inside ``root`` (resolved), else ``None``."""
+    try:
+        path = (root / name).resolve()
+    except (OSError, ValueError):  # a loop of links, a NUL byte
+        return None
+    return path if path.is_relative_to(root) else None
 
 
 def _spread(rows: np.ndarray, k: int) -> np.ndarray:
@@ -515,12 +552,14 @@ def build_report(
     heatmaps: int = 16,
     max_samples: int = 1000,
     title: str | None = None,
+    trust_store_model: bool = False,
 ) -> Path:
     """Write one self-contained HTML page about ``store`` to ``out_html``; return its path.
 
     Args:
         store: a feature store (path or `FeatureStore`) written by `layertap.extract_dataset`.
-        model: the model that wrote it, or its spec; default: the spec the store records.
+        model: the model that wrote it, or its spec. Without it, the sections that need a model
+            say how to give one.
         images: the image folder the store's ids are relative to; default: the one it records.
         stats: statistics to show instead of computing them (e.g. the `layertap.stats` table
             you already have).
@@ -528,6 +567,10 @@ def build_report(
         heatmaps: how many images the heatmap grid shows.
         max_samples: samples drawn in the projections and used for the statistics over images.
         title: the page title; default names the model.
+        trust_store_model: without ``model``, load the spec the store records (named on stderr
+            first), as ``load_model(spec, trust=True)``: it runs code the store names (a
+            ``package.module:callable``, a pickled model, a Hugging Face folder's own code), so
+            pass it only for a store from someone you trust.
 
     Example:
         >>> import layertap
@@ -541,7 +584,7 @@ def build_report(
     started = time.perf_counter()
     opened = store if isinstance(store, FeatureStore) else open_features(store)
     try:
-        ctx = _Context(opened, model, images, max_samples)
+        ctx = _Context(opened, model, images, max_samples, trust_store_model)
         builders = {
             "store": lambda: _store_section(ctx),
             "layers": lambda: _layers_section(ctx),

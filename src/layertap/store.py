@@ -7,16 +7,28 @@ Every format holds the same things:
   ``features/<layer>/0``, ``features/<layer>/1``, ... (key ``"<layer>/0"``), in the order of
   `layertap.nested.tensors`;
 - ``ids``: each sample's id (its file path, else its index); ``labels`` when the data has them;
-- one completion marker per chunk of samples, holding the chunk's failed samples and the rank
-  of the process that wrote it;
+- one completion marker per chunk of samples, holding the chunk's failed samples, the rank of
+  the process that wrote it and a digest of every sample's input (see `layertap.fingerprint`);
 - metadata: model, layers, shapes, dtypes, reductions, versions and a hash of the settings.
 
 A chunk (``chunk_size`` consecutive samples, the arrays' chunking along samples) is written
-whole, and its marker only after its data: a store interrupted at any moment knows which
-chunks are complete, and is marked complete only when every chunk is. Writing a chunk touches
-no other chunk's files, so several processes can fill one Zarr or NumPy store. Zarr writes
-every file atomically; HDF5 is flushed after every chunk, but the format has no journal, so
-a crash in the middle of a write can still damage the file.
+whole, handed to the disk (fsync), and only then marked: a store interrupted at any moment
+knows which chunks are complete, and is marked complete only when every chunk is. Writing a
+chunk touches no other chunk's files, so several processes can fill one Zarr or NumPy store.
+Zarr writes every file atomically. HDF5 arrays of known length are allocated when the file is
+made, so writing a chunk changes no HDF5 structure, only data; the file is flushed and synced
+after every chunk.
+
+This module owns a store's lifecycle and its trust boundary:
+
+- `open_or_create` is the only way in for a writer: it takes the store's lock, checks what is
+  at the path, resumes, refuses or overwrites (a layertap store only), and creates;
+- one writer at a time: a lock (``fcntl`` on local disks, a lease object in object stores) makes
+  a second extraction of the same store stop with the holder's name;
+- a store is data, never code: its metadata is checked field by field, every path in it must
+  stay inside the store (no ``..``, absolute paths, or symlinks out), HDF5 external links and
+  external storage are refused, Zarr arrays must use plain codecs (no pickle), and NumPy files
+  are read without pickle.
 
 >>> import torch, torchvision, layertap
 >>> model = torchvision.models.resnet18()
@@ -29,12 +41,17 @@ a crash in the middle of a write can still damage the file.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
 import json
 import os
 import re
 import shutil
+import socket
+import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,17 +60,17 @@ import numpy as np
 import torch
 
 from .data import Failure
-from .errors import LayertapError, require
+from .errors import StoreError, StoreLockedError, require
+from .units import human_bytes
 
 FORMATS = ("zarr", "hdf5", "npy")
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: chunk markers hold input digests; arrays of known length allocated up front
 _SUFFIX_FORMATS = {".zarr": "zarr", ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5"}
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-class StoreError(LayertapError):
-    """A feature store cannot be written or read as asked; the message says why and what to do."""
+_ARRAY_PATH = re.compile(r"features/[A-Za-z0-9_-][A-Za-z0-9._-]*(/[0-9]+)?")
+_ZARR_CODECS = {"bytes", "blosc", "vlen-utf8", "zstd", "gzip", "crc32c", "transpose"}  # plain data: no pickle
+LOCK = ".layertap.lock"
 
 
 Location = Path | str  # a local path, or an fsspec URL (str) such as "s3://bucket/feats.zarr"
@@ -79,11 +96,11 @@ def url_fs(url: str) -> tuple[Any, str]:
 
 
 def occupied(path: Location) -> bool:
-    """Whether something (a file, or a folder that is not empty) is at ``path``."""
+    """Whether something (a file, or a folder holding more than a store lock) is at ``path``."""
     if is_url(path):
         fs, inner = url_fs(path)
-        return fs.exists(inner) and (fs.isfile(inner) or bool(fs.ls(inner)))
-    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
+        return fs.exists(inner) and (fs.isfile(inner) or any(not str(p).endswith(LOCK) for p in fs.ls(inner, detail=False)))
+    return path.is_symlink() or (path.exists() and not (path.is_dir() and all(p.name == LOCK for p in path.iterdir())))
 
 
 @dataclass
@@ -161,9 +178,126 @@ def detect_format(path: str | Path) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------ the trust boundary
+def _bad(path: Location, what: str) -> StoreError:
+    return StoreError(
+        f"{path} is not a valid layertap feature store: {what}. It is damaged, or was not written by "
+        "layertap; extract again into a new path (or pass --overwrite)"
+    )
+
+
+def _check_inside(root: Path, path: Path, entry: str) -> Path:
+    """``path`` if it resolves (symlinks followed) inside ``root``; else refused, naming ``entry``."""
+    real, top = path.resolve(), root.resolve()
+    if real != top and top not in real.parents:
+        raise _bad(root, f"its entry {entry!r} leads outside the store (to {real})")
+    return path
+
+
+def _check_no_links_out(root: Path) -> None:
+    """Refuse a store folder holding a symlink that leads outside it: Zarr would follow it."""
+    top = root.resolve()
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            entry = Path(folder, name)
+            if entry.is_symlink():
+                _check_inside(top, entry, str(entry.relative_to(root)))
+
+
+def _is_numeric(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype).kind in "biufc"
+    except TypeError:
+        return False
+
+
+def _check_meta(meta: Any, path: Location, format: str) -> dict:
+    """The store's metadata if every field a reader or writer uses has the right form, else a
+    one-line `StoreError` naming the first bad field. Nothing here is imported or called."""
+
+    def need(ok: bool, field: str, expected: str) -> None:
+        if not ok:
+            raise _bad(path, f"its metadata field {field!r} is " + ("missing" if expected == "there" else f"not {expected}"))
+
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    need(isinstance(meta, dict), "layertap", "a JSON object")
+    for key in ("layertap_store", "format", "complete", "ready", "num_samples", "chunk_size", "ids", "labels", "arrays", "layers"):
+        need(key in meta, key, "there")
+    need(count(meta.get("layertap_store")) and meta["layertap_store"] <= STORE_VERSION, "layertap_store", f"a store version up to {STORE_VERSION}")
+    need(meta.get("format") == format, "format", f"{format!r} (the store's real format)")
+    for flag in ("complete", "ready"):
+        need(isinstance(meta.get(flag), bool), flag, "true or false")
+    need(meta.get("num_samples") is None or count(meta["num_samples"]), "num_samples", "a count or null")
+    need(count(meta.get("chunk_size")) and meta["chunk_size"] >= 1, "chunk_size", "a positive count")
+    need(meta.get("ids") in ("index", "path"), "ids", "'index' or 'path'")
+    need(meta.get("labels") is None or (isinstance(meta["labels"], str) and _is_numeric(meta["labels"])), "labels", "null or a numeric dtype")
+    for field in ("root", "model", "data"):
+        need(meta.get(field) is None or isinstance(meta[field], str), field, "a string")
+    classes = meta.get("classes")
+    need(classes is None or (isinstance(classes, list) and all(isinstance(c, str) for c in classes)), "classes", "a list of strings")
+    need(meta.get("settings") is None or isinstance(meta["settings"], dict), "settings", "an object")
+    arrays = meta.get("arrays")
+    need(isinstance(arrays, list) and len(arrays) > 0, "arrays", "a non-empty list")
+    keys, paths = set(), set()
+    for i, a in enumerate(arrays):
+        field = f"arrays[{i}]"
+        need(isinstance(a, dict) and set(a) == {"key", "path", "layer", "leaf", "shape", "dtype"}, field, "an array entry (key, path, layer, leaf, shape, dtype)")
+        need(isinstance(a["key"], str) and a["key"] not in keys, f"{field}.key", "a unique string")
+        need(isinstance(a["layer"], str), f"{field}.layer", "a string")
+        need(a["leaf"] is None or count(a["leaf"]), f"{field}.leaf", "null or a count")
+        need(a["key"] == array_key(a["layer"], a["leaf"]), f"{field}.key", "its layer (and leaf index)")
+        need(isinstance(a["path"], str) and _ARRAY_PATH.fullmatch(a["path"]) is not None and a["path"].lower() not in paths, f"{field}.path", "a unique path features/NAME inside the store")
+        need(isinstance(a["shape"], list) and all(count(n) for n in a["shape"]), f"{field}.shape", "a list of sizes")
+        need(isinstance(a["dtype"], str) and _is_numeric(a["dtype"]), f"{field}.dtype", "a numeric dtype")
+        keys.add(a["key"])
+        paths.add(a["path"].lower())
+    layers = list(dict.fromkeys(a["layer"] for a in arrays))
+    need(meta.get("layers") == layers, "layers", f"the layers of its arrays, {layers}")
+    return meta
+
+
+def _specs(meta: dict) -> list[ArraySpec]:
+    return [ArraySpec(**{**a, "shape": tuple(a["shape"])}) for a in meta["arrays"]]
+
+
+@dataclass
+class Marker:
+    """What a chunk's completion marker records."""
+
+    failed: list[Failure]
+    process: int
+    digests: list[str] | None  # one per sample of the chunk; None in stores written before digests
+
+    def to_json(self) -> str:
+        return json.dumps({"failed": [list(f) for f in self.failed], "process": self.process, "digests": self.digests})
+
+
+def _parse_marker(text: str, chunk: int, rows: tuple[int, int], path: Location) -> Marker:
+    """A chunk's marker, checked: its failures lie in the chunk, its digests cover it."""
+    start, end = rows
+    try:
+        value = json.loads(text)
+        failed = [Failure(int(i), d, str(e)) for i, d, e in value["failed"]]
+        process = int(value["process"])
+        digests = value.get("digests")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad(path, f"the marker of chunk {chunk} cannot be read ({type(e).__name__})") from e
+    if any(not start <= f.index < end or not isinstance(f.id, (int, str)) for f in failed):
+        raise _bad(path, f"the marker of chunk {chunk} lists failed samples outside it")
+    if digests is not None and not (isinstance(digests, list) and all(isinstance(d, str) for d in digests)):
+        raise _bad(path, f"the marker of chunk {chunk} has digests that are not strings")
+    return Marker(failed, process, digests)
+
+
 # ------------------------------------------------------------------------------- backends
 class _Backend:
-    """The primitive reads and writes of one format; `StoreWriter` and `FeatureStore` use them."""
+    """The primitive reads and writes of one format; `StoreWriter` and `FeatureStore` use them.
+
+    Every name passed in is a store-made name (``ids``, ``labels``, a checked ``features/...``
+    path); backends still refuse one that would leave the store.
+    """
 
     format: str
 
@@ -172,8 +306,11 @@ class _Backend:
 
     # read_meta, write_meta, create, array, write, resize, mark, markers, create_markers: per format
 
-    def flush(self) -> None:
-        """Hand written data to the OS (formats that buffer it override this)."""
+    def check(self) -> None:
+        """Refuse a store whose files or arrays lead outside it or hold code (per format)."""
+
+    def sync(self) -> None:
+        """Hand everything written so far to the disk, and raise if it did not take it."""
 
     def close(self) -> None:
         """Release files (formats that hold them open override this)."""
@@ -187,9 +324,15 @@ class _ZarrBackend(_Backend):
         super().__init__(path, mode)
         self.zarr = require("zarr", "store")
         # fsspec's local filesystem (file://) makes no folders unless told to; object stores need none
-        options = {"storage_options": {"auto_mkdir": True}} if str(path).startswith("file://") else {}
-        self.root = self.zarr.open_group(str(path), mode=mode, **options)
+        options: dict[str, Any] = {"storage_options": {"auto_mkdir": True}} if str(path).startswith("file://") else {}
+        # "a", not "w": the folder holds the writer's lock, which "w" would delete
+        self.root = self.zarr.open_group(str(path), mode="a" if mode == "w" else mode, zarr_format=3, **options)
         self._arrays: dict[str, Any] = {}
+        self._written: set[str] = set()  # local chunk files written since the last sync
+
+    def check(self) -> None:
+        if not is_url(self.path):
+            _check_no_links_out(Path(self.path))
 
     def read_meta(self) -> dict | None:
         return self.root.attrs.asdict().get("layertap")
@@ -207,11 +350,26 @@ class _ZarrBackend(_Backend):
 
     def array(self, name: str) -> Any:
         if name not in self._arrays:
-            self._arrays[name] = self.root[name]
+            try:
+                array = self.root[name]
+            except KeyError:
+                raise KeyError(name) from None
+            except Exception as e:  # metadata Zarr cannot parse (an unknown codec, a bad shape)
+                raise _bad(self.path, f"Zarr cannot read its array {name!r} ({type(e).__name__}: {_one_line(e)})") from e
+            if not isinstance(array, self.zarr.Array):
+                raise _bad(self.path, f"{name!r} is a group, not an array")
+            codecs = {c.get("name") if isinstance(c, dict) else c for c in array.metadata.to_dict().get("codecs", [])}
+            if not codecs <= _ZARR_CODECS:
+                raise _bad(self.path, f"array {name!r} uses codecs {sorted(map(str, codecs - _ZARR_CODECS))}, not plain data ones")
+            self._arrays[name] = array
         return self._arrays[name]
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
-        self.array(name)[start : start + len(data)] = data
+        array = self.array(name)
+        array[start : start + len(data)] = data
+        if not is_url(self.path):
+            rows = array.chunks[0]
+            self._written.update(f"{name}/c/{i}" for i in range(start // rows, -(-(start + len(data)) // rows)))
 
     def resize(self, name: str, n: int) -> None:
         array = self.array(name)
@@ -227,9 +385,30 @@ class _ZarrBackend(_Backend):
         values = self.array(self.MARKERS)[:]
         return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
 
-    def create_markers(self, n: int) -> None:
+    def create_markers(self, n: int, chunk_size: int) -> None:
         # one object per marker: writers of different chunks never touch the same object
         self._arrays[self.MARKERS] = self.root.create_array(self.MARKERS, shape=(n,), chunks=(1,), dtype=str, fill_value="")
+
+    def sync(self) -> None:
+        # Zarr writes each chunk as a file of its own (atomically, by rename): sync those files
+        root = Path(self.path)
+        for name in self._written:
+            top = root / name
+            if top.is_file():  # the chunk of a 1-D array is a file, not a folder
+                _fsync(top)
+            for folder, _, files in os.walk(top):
+                for file in files:
+                    _fsync(Path(folder, file))
+                _fsync(Path(folder))
+        self._written.clear()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _HDF5Backend(_Backend):
@@ -240,29 +419,55 @@ class _HDF5Backend(_Backend):
         super().__init__(path, mode)
         self.h5py = require("h5py", "store")
         try:
-            self.file = self.h5py.File(path, mode)
+            # no chunk cache: a write reaches the file (and fails there, on a full disk) when made,
+            # not when HDF5 evicts it later, where h5py can only print the error
+            self.file = self.h5py.File(path, mode, rdcc_nbytes=0)
         except OSError as e:
             raise StoreError(
                 f"cannot open the HDF5 file {path} ({e}); an HDF5 file is not safe from a crash while it is "
                 "written: if a run was killed, delete the file and run again, or use Zarr, which is"
             ) from e
 
+    def check(self) -> None:
+        # HDF5 can point outside the file: external links, external raw storage, virtual datasets
+        def problem(name: str, link: Any) -> str | None:  # a value stops the visit (raising in it breaks h5py)
+            if not isinstance(link, self.h5py.HardLink):
+                return f"its entry {name!r} is a {type(link).__name__}, which leads outside the file"
+            obj = self.file[name]
+            if isinstance(obj, self.h5py.Dataset) and (obj.external or obj.is_virtual):
+                return f"its array {name!r} keeps its data outside the file"
+            return None
+
+        found = self.file.visititems_links(problem)
+        if found:
+            raise _bad(self.path, found)
+
     def read_meta(self) -> dict | None:
         text = self.file.attrs.get("layertap")
-        return json.loads(text) if text is not None else None
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except (ValueError, TypeError) as e:
+            raise _bad(self.path, "its metadata is not JSON") from e
 
     def write_meta(self, meta: dict) -> None:
         self.file.attrs["layertap"] = json.dumps(meta)
-        self.file.flush()
+        self.sync()
 
     def create(self, name: str, shape: tuple, dtype: Any, chunk: int, fill: Any) -> None:
         if dtype is str:
             dtype, fill = self.h5py.string_dtype(), None
+        dcpl = self.h5py.h5p.create(self.h5py.h5p.DATASET_CREATE)
+        # allocated now: writing a chunk later changes data only, never the file's structure
+        dcpl.set_alloc_time(self.h5py.h5d.ALLOC_TIME_EARLY)
         self.file.create_dataset(
-            name, shape=shape, maxshape=(None, *shape[1:]), chunks=(max(1, chunk), *shape[1:]), dtype=dtype, fillvalue=fill
+            name, shape=shape, maxshape=(None, *shape[1:]), chunks=(max(1, chunk), *shape[1:]), dtype=dtype, fillvalue=fill, dcpl=dcpl
         )
 
     def array(self, name: str) -> Any:
+        if name not in self.file:
+            raise KeyError(name)
         return self.file[name]
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
@@ -271,24 +476,36 @@ class _HDF5Backend(_Backend):
     def resize(self, name: str, n: int) -> None:
         self.file[name].resize(n, axis=0)
 
+    DONE = "_done"
+
     def mark(self, chunk: int, text: str) -> None:
-        markers = self.file[self.MARKERS]
+        # markers are fixed-size rows allocated with the file: marking a chunk writes data into
+        # space that exists, so a full disk cannot leave the file's structure half written
+        markers, done = self.file[self.MARKERS], self.file[self.DONE]
         if chunk >= markers.shape[0]:
             markers.resize(chunk + 1, axis=0)
-        markers[chunk] = text
+            done.resize(chunk + 1, axis=0)
+        row = _fit(text, markers.shape[1])
+        markers[chunk] = np.frombuffer(row.ljust(markers.shape[1], b"\0"), dtype=np.uint8)
+        self.sync()  # the marker's text before its flag
+        done[chunk] = 1
 
     def markers(self) -> dict[int, str]:
-        values = self.file[self.MARKERS].asstr()[:]
-        return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
+        markers, done = self.file[self.MARKERS], self.file[self.DONE]
+        return {int(c): markers[c].tobytes().rstrip(b"\0").decode() for c in np.flatnonzero(done[:])}
 
-    def create_markers(self, n: int) -> None:
-        self.file.create_dataset(self.MARKERS, shape=(n,), maxshape=(None,), chunks=(256,), dtype=self.h5py.string_dtype())
+    def create_markers(self, n: int, chunk_size: int) -> None:
+        width = MARKER_BYTES_PER_SAMPLE * chunk_size + 4096
+        for name, shape, dtype in ((self.MARKERS, (n, width), np.uint8), (self.DONE, (n,), np.uint8)):
+            self.create(name, shape, dtype, 1 if name == self.MARKERS else 256, 0)
 
-    def flush(self) -> None:
+    def sync(self) -> None:
         self.file.flush()
+        os.fsync(self.file.id.get_vfd_handle())
 
     def close(self) -> None:
-        self.file.close()
+        if self.file:  # closing a file twice is an error in h5py
+            self.file.close()
 
 
 class _NpyBackend(_Backend):
@@ -305,17 +522,28 @@ class _NpyBackend(_Backend):
         self._files: dict[str, tuple[int, int, int]] = {}  # name -> (fd, data offset, row bytes)
         self._maps: dict[str, np.memmap] = {}
 
+    def check(self) -> None:
+        _check_no_links_out(self.path)
+
     def _file(self, name: str) -> Path:
-        return self.path / f"{name}.npy"
+        return _check_inside(self.path, self.path / f"{name}.npy", name)
 
     def _replace(self, target: Path, text: str) -> None:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, target)  # atomic: a reader sees the old or the new file, never half
 
     def read_meta(self) -> dict | None:
         meta = self.path / self.META
-        return json.loads(meta.read_text()) if meta.is_file() else None
+        if not meta.is_file():
+            return None
+        try:
+            return json.loads(_check_inside(self.path, meta, self.META).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _bad(self.path, f"its {self.META} is not JSON") from e
 
     def write_meta(self, meta: dict) -> None:
         self._replace(self.path / self.META, json.dumps(meta, indent=1))
@@ -331,7 +559,10 @@ class _NpyBackend(_Backend):
             file = self._file(name)
             if not file.is_file():
                 raise KeyError(name)
-            self._maps[name] = np.load(file, mmap_mode="r")
+            try:
+                self._maps[name] = np.load(file, mmap_mode="r", allow_pickle=False)
+            except ValueError as e:  # object arrays (pickles), bad headers
+                raise _bad(self.path, f"{file.name} is not a plain NumPy array ({e})") from e
         return self._maps[name]
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
@@ -352,24 +583,47 @@ class _NpyBackend(_Backend):
         raise StoreError("npy arrays cannot grow: use format='zarr' or 'hdf5' for data of unknown length")
 
     def mark(self, chunk: int, text: str) -> None:
-        folder = self.path / self.MARKERS
+        folder = _check_inside(self.path, self.path / self.MARKERS, self.MARKERS)
         folder.mkdir(exist_ok=True)
         self._replace(folder / f"{chunk:09d}.json", text)
 
     def markers(self) -> dict[int, str]:
-        folder = self.path / self.MARKERS
+        folder = _check_inside(self.path, self.path / self.MARKERS, self.MARKERS)
         if not folder.is_dir():
             return {}
-        return {int(p.stem): p.read_text() for p in folder.glob("*.json") if p.stem.isdigit()}
+        files = [p for p in folder.glob("*.json") if p.stem.isdigit()]
+        return {int(p.stem): _check_inside(self.path, p, f"{self.MARKERS}/{p.name}").read_text() for p in files}
 
-    def create_markers(self, n: int) -> None:
+    def create_markers(self, n: int, chunk_size: int) -> None:
         (self.path / self.MARKERS).mkdir(exist_ok=True)
+
+    def sync(self) -> None:
+        for fd, _, _ in self._files.values():
+            os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
 
     def close(self) -> None:
         for fd, _, _ in self._files.values():
             os.close(fd)
         self._files.clear()
         self._maps.clear()
+
+
+MARKER_BYTES_PER_SAMPLE = 24  # room in an HDF5 marker: a digest per sample, and failures
+
+
+def _fit(text: str, width: int) -> bytes:
+    """A marker's JSON in at most ``width`` bytes: a chunk of many failures with long messages
+    keeps their error types only, then only their indices (the ids are in the ``ids`` array)."""
+    data = text.encode()
+    if len(data) <= width:
+        return data
+    value = json.loads(text)
+    for shorten in (lambda f: [f[0], f[1], f[2].split(":")[0]], lambda f: [f[0], f[0], ""]):
+        value["failed"] = [shorten(f) for f in value["failed"]]
+        data = json.dumps(value).encode()
+        if len(data) <= width:
+            return data
+    raise StoreError(f"a chunk marker needs {len(data)} bytes, more than the {width} an HDF5 store has room for: use Zarr")
 
 
 def _header(f: Any) -> tuple[tuple, bool, np.dtype]:
@@ -382,11 +636,192 @@ def _header(f: Any) -> tuple[tuple, bool, np.dtype]:
 _BACKENDS: dict[str, type[_Backend]] = {"zarr": _ZarrBackend, "hdf5": _HDF5Backend, "npy": _NpyBackend}
 
 
-def _open_backend(path: Location, mode: str, format: str | None = None) -> _Backend:
+def _open_backend(path: Location, mode: str, format: str | None = None) -> tuple[_Backend, dict]:
+    """The store at ``path`` opened for reading (``"r"``) or adding chunks (``"r+"``), checked:
+    nothing in it leads outside it, its metadata has the right form, its arrays agree with it."""
     format = format or detect_format(path)
     if format is None:
         raise StoreError(f"no layertap feature store at {path} (a Zarr folder, an HDF5 file or a folder of .npy files)")
-    return _BACKENDS[format](path, mode)
+    try:
+        backend = _BACKENDS[format](path, mode)
+    except StoreError:
+        raise
+    except Exception as e:  # the format's library could not read it at all
+        raise _bad(path, f"{format} cannot open it ({type(e).__name__}: {_one_line(e)})") from e
+    try:
+        backend.check()
+        meta = backend.read_meta()
+        if not meta or "layertap_store" not in meta:
+            raise StoreError(f"{path} is not a layertap feature store")
+        _check_meta(meta, path, format)
+        _check_arrays(backend, meta)
+    except BaseException:
+        backend.close()
+        raise
+    return backend, meta
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _check_arrays(backend: _Backend, meta: dict) -> None:
+    """Every array the metadata names exists with the rows, shape and dtype it says."""
+    path = backend.path
+
+    def get(name: str) -> Any:
+        try:
+            return backend.array(name)
+        except KeyError:
+            raise _bad(path, f"its array {name!r} is missing") from None
+
+    ids = get("ids")
+    rows = ids.shape[0] if len(ids.shape) == 1 else -1
+    n = meta["num_samples"]
+    if rows < 0 or (n is not None and rows != n):
+        raise _bad(path, f"its ids hold {list(ids.shape)} entries, not {n} samples")
+    if meta["ids"] == "index" and not _is_numeric(ids.dtype):
+        raise _bad(path, "its ids are not indices, as its metadata says")
+    if meta["ids"] == "path" and _is_numeric(ids.dtype):
+        raise _bad(path, "its ids are not paths, as its metadata says")
+    expected = [(s.path, (rows, *s.shape), np.dtype(s.dtype)) for s in _specs(meta)]
+    if meta["labels"] is not None:
+        expected.append(("labels", (rows,), np.dtype(meta["labels"])))
+    else:
+        with contextlib.suppress(KeyError):
+            backend.array("labels")
+            raise _bad(path, "it holds labels that its metadata does not name")
+    for name, shape, dtype in expected:
+        array = get(name)
+        if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
+            raise _bad(path, f"its array {name!r} is {list(array.shape)} {array.dtype}, its metadata says {list(shape)} {dtype}")
+    try:
+        backend.markers()
+    except KeyError:
+        raise _bad(path, "its chunk markers are missing") from None
+
+
+# ------------------------------------------------------------------------------------ locking
+class StoreLock:
+    """One writer per store: an exclusive lock that names its holder (host, pid, start time).
+
+    On a local disk it is an ``fcntl`` lock on a file inside the store (beside it, for an HDF5
+    file): the system drops it when its process ends, however it ends, so a killed run's lock
+    is never in the way. In an object store, where nothing locks, it is a lease object that
+    the holder renews while it writes: a lease whose holder is gone from this host, or which
+    has expired, is taken over.
+    """
+
+    LEASE = 600.0  # seconds an object-store lease lasts without renewal
+    RENEW = 60.0
+
+    def __init__(self, path: Location, format: str) -> None:
+        self.path = path
+        self.owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        self._fd: int | None = None
+        self._renewed = 0.0
+        if str(path).startswith("file://"):  # a local disk behind a URL: lock it as one
+            path = Path(str(path).removeprefix("file://"))
+        if is_url(path):
+            self.file: Location = f"{str(path).rstrip('/')}/{LOCK}"
+        else:
+            path = Path(path)
+            self.file = path.with_name(f".{path.name}{LOCK}") if format == "hdf5" else path / LOCK
+
+    def acquire(self) -> StoreLock:
+        if is_url(self.file):
+            self._take_lease()
+        else:
+            self._lock_file(Path(self.file))
+        return self
+
+    def _held_by(self, text: str) -> StoreLockedError:
+        try:
+            owner = json.loads(text)
+            who = f"process {int(owner['pid'])} on {owner['host']}, since {owner['started']}"
+        except (ValueError, KeyError, TypeError):
+            who = "another process"
+        return StoreLockedError(
+            f"{self.path} is being written by another extraction ({who}): wait for it to end or stop it; "
+            "a store takes one writer at a time"
+        )
+
+    def _lock_file(self, file: Path) -> None:
+        import fcntl
+
+        file.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 4096, 0).decode(errors="replace")
+                os.close(fd)
+                raise self._held_by(text) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(file).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its last holder removed the file as we opened it: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(self.owner).encode(), 0)
+        self._fd = fd
+
+    def _take_lease(self) -> None:
+        fs, inner = url_fs(str(self.file))
+        if fs.exists(inner):
+            text = fs.cat_file(inner).decode(errors="replace")
+            if not self._stale(text):
+                raise self._held_by(text)
+        self.renew(force=True)
+        time.sleep(0.05)  # object stores have no exclusive create: the last writer wins; check it is us
+        if json.loads(fs.cat_file(inner))["pid"] != self.owner["pid"] or json.loads(fs.cat_file(inner))["host"] != self.owner["host"]:
+            raise self._held_by(fs.cat_file(inner).decode(errors="replace"))
+
+    def _stale(self, text: str) -> bool:
+        try:
+            lease = json.loads(text)
+            if float(lease["expires"]) < time.time():
+                return True
+            return lease["host"] == self.owner["host"] and not _alive(int(lease["pid"]))
+        except (ValueError, KeyError, TypeError):
+            return True  # not a lease this code wrote
+
+    def renew(self, force: bool = False) -> None:
+        """Extend an object-store lease (a no-op on local disks, and when renewed recently)."""
+        if not is_url(self.file) or (not force and time.monotonic() - self._renewed < self.RENEW):
+            return
+        fs, inner = url_fs(str(self.file))
+        fs.pipe_file(inner, json.dumps({**self.owner, "expires": time.time() + self.LEASE}).encode())
+        self._renewed = time.monotonic()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.file)  # while still held: the next writer locks a new file
+            os.close(self._fd)
+            self._fd = None
+        elif is_url(self.file) and self._renewed:
+            fs, inner = url_fs(str(self.file))
+            with contextlib.suppress(OSError, FileNotFoundError):
+                fs.rm(inner)
+            self._renewed = 0.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -------------------------------------------------------------------------------- writing
@@ -411,75 +846,204 @@ def fill_value(dtype: Any) -> Any:
     return -1 if kind == "i" else 0
 
 
+@dataclass
+class Layout:
+    """What a new store holds, known once the first features are: made by the extraction."""
+
+    specs: list[ArraySpec]
+    num_samples: int | None  # None: unknown, the store grows
+    chunk_size: int
+    ids: Sequence | None  # sample ids (paths), or None when they are the indices
+    labels_dtype: str | None
+    sample: Mapping[str, np.ndarray]  # one batch of features, to estimate the compressed size
+
+
+def settings_differences(old: Mapping, new: Mapping, sep: str) -> str:
+    """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
+    what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
+    return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
+
+
+def open_or_create(
+    out: str | os.PathLike,
+    format: str | None,
+    meta: dict,
+    *,
+    resume: bool,
+    overwrite: bool,
+    layout: Callable[[], Layout],
+    say: Callable[[str], None] = lambda message: None,
+) -> StoreWriter:
+    """The only way for a writer into a store: lock it, then resume, refuse, replace or create.
+
+    Args:
+        out: the store's path or URL.
+        format: the format asked for (``None``: the existing store's, or by suffix).
+        meta: the new store's metadata; its ``"settings"`` must equal a store's to resume it.
+        resume: continue a store with the same settings (its missing chunks only).
+        overwrite: replace whatever layertap store is at ``out`` (never anything else).
+        layout: called only when a new store is made, for its arrays and size.
+        say: where the size estimate is told.
+
+    Returns:
+        a `StoreWriter` holding the store's lock; ``writer.state`` says ``"complete"``,
+        ``"resume"`` or ``"new"``.
+    """
+    out = location(out)
+    fmt = format_for(out, format)
+    if not is_url(out) and occupied(out) and detect_format(out) is None:
+        raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
+    made = not is_url(out) and not out.exists()  # a folder made for the lock goes again on failure
+    lock = StoreLock(out, fmt).acquire()
+    try:
+        writer = _resume_or_refuse(out, format, meta["settings"], resume, overwrite)
+        if writer is None:
+            writer = StoreWriter.create(out, fmt, meta, layout(), say=say)
+        writer.lock = lock
+        return writer
+    except BaseException:
+        lock.release()
+        if made and out.is_dir():
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if nothing was written
+        raise
+
+
+def _resume_or_refuse(out: Location, format: str | None, settings: dict, resume: bool, overwrite: bool) -> StoreWriter | None:
+    """The store to continue at ``out``, or ``None`` to write a new one (after removing an old one)."""
+    found = detect_format(out)
+    if found is None:
+        if occupied(out):
+            raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
+        return None
+    if overwrite:
+        remove_store(out)
+        return None
+    writer = StoreWriter.open(out)
+    meta = writer.meta
+    if not meta["ready"]:  # killed while creating it: nothing to keep
+        writer.close()
+        remove_store(out)
+        return None
+    problem = None
+    if not resume:
+        problem = "already holds features"
+    elif format is not None and format != meta["format"]:
+        problem = f"is a {meta['format']} store, not {format}"
+    elif meta["layertap_store"] < STORE_VERSION:
+        problem = "was written by an older layertap, whose stores cannot prove on resume that the data is the same"
+    elif changed := settings_differences(meta.get("settings") or {}, settings, ", now "):
+        problem = f"was written with other settings: {changed}"
+    if problem:
+        writer.close()
+        raise StoreError(f"{out} {problem}: pass overwrite=True (--overwrite) to replace it, or write to another path")
+    writer.state = "complete" if meta["complete"] else "resume"
+    return writer
+
+
+def compression_ratio(arrays: Mapping[str, np.ndarray], format: str) -> float:
+    """The fraction of its size that a batch of features keeps once stored in ``format``."""
+    if format != "zarr":
+        return 1.0
+    Blosc = require("numcodecs", "store").Blosc  # the codec Zarr stores with
+
+    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
+    raw = packed = 0
+    for a in arrays.values():
+        a = np.ascontiguousarray(a)
+        raw += a.nbytes
+        packed += len(codec.encode(a))
+    return packed / raw if raw else 1.0
+
+
+def free_space(path: Location) -> int | None:
+    """Free bytes where ``path`` goes; ``None`` for an object store (it does not say)."""
+    if is_url(path):
+        return None
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 class StoreWriter:
     """Writes whole chunks of samples into a store and marks each complete after its data.
 
-    Made by `StoreWriter.create` (a new store) or `StoreWriter.open` (to resume); used by
-    `layertap.extract_dataset`, one writer per process.
+    Made by `open_or_create` (holding the store's lock), or by `StoreWriter.open` for another
+    process of a ``torchrun`` job that shares the store; used by `layertap.extract_dataset`.
     """
 
     def __init__(self, backend: _Backend, meta: dict) -> None:
         self.backend, self.meta = backend, meta
-        self.specs = [ArraySpec(**{**a, "shape": tuple(a["shape"])}) for a in meta["arrays"]]
+        self.specs = _specs(meta)
         self.chunk_size: int = meta["chunk_size"]
         self.num_samples: int | None = meta["num_samples"]
         self.rows: int = backend.array("ids").shape[0]  # grows while the length is unknown
         self.process = 0  # the rank of the process writing: each chunk's marker records it
+        self.lock: StoreLock | None = None
+        self.state = "new"
+        self.broken = False  # a write failed: the store stays incomplete
 
     @classmethod
-    def create(
-        cls,
-        path: str | Path,
-        format: str,
-        meta: dict,
-        specs: Sequence[ArraySpec],
-        *,
-        num_samples: int | None,
-        chunk_size: int,
-        ids: Sequence | None,
-        labels_dtype: str | None,
-    ) -> StoreWriter:
-        """A new store at ``path`` for ``num_samples`` samples (``None``: unknown, it grows)."""
+    def create(cls, path: str | Path, format: str, meta: dict, layout: Layout, *, say: Callable[[str], None] = lambda m: None) -> StoreWriter:
+        """A new store at ``path`` laid out as ``layout``, once the disk is known to hold it."""
         path = location(path)
-        rows = num_samples or 0
+        specs, n, chunk_size = layout.specs, layout.num_samples, layout.chunk_size
+        if n is None and format == "npy":
+            raise StoreError(
+                "the npy format needs the number of samples before writing, and this data does not say it: "
+                "use format='zarr' or 'hdf5', or give data with a length (a Dataset, a list)"
+            )
+        sample_bytes = sum(s.sample_bytes for s in specs)
+        ratio = compression_ratio(layout.sample, format)
+        if n is None:
+            say(f"writing ~{human_bytes(sample_bytes * ratio)} per sample to {path} ({format}); the number of samples is not known yet")
+        else:
+            need = int(sample_bytes * ratio * n) + n * 8
+            free = free_space(path)
+            room = "free space unknown" if free is None else f"{human_bytes(free)} free"
+            say(f"~{human_bytes(need)} for {n:,} samples × {len(specs)} arrays ({human_bytes(sample_bytes)} per sample) to {path} ({format}); {room}")
+            if free is not None and need > free:
+                raise StoreError(
+                    f"the features need ~{human_bytes(need)} but only {human_bytes(free)} is free where {path} goes: free "
+                    "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"
+                )
+        rows = n or 0
+        ids = None if layout.ids is None else list(layout.ids[:rows]) if n is not None else list(layout.ids)
         meta = {
             **meta,
             "layertap_store": STORE_VERSION,
             "format": format,
             "complete": False,
-            "num_samples": num_samples,
+            "num_samples": n,
             "chunk_size": chunk_size,
             "arrays": [{**asdict(s), "shape": list(s.shape)} for s in specs],
             "ids": "index" if ids is None else "path",
-            "labels": labels_dtype,
+            "labels": layout.labels_dtype,
         }
-        if num_samples is None and format == "npy":
-            raise StoreError(
-                "the npy format needs the number of samples before writing, and this data does not say it: "
-                "use format='zarr' or 'hdf5', or give data with a length (a Dataset, a list)"
-            )
         backend = _BACKENDS[format](path, "w")
         try:
             backend.write_meta({**meta, "ready": False})  # first: a half-made store is known as ours
             for spec in specs:
                 dtype = np.dtype(spec.dtype)
                 backend.create(spec.path, (rows, *spec.shape), dtype, storage_rows(chunk_size, spec.sample_bytes), fill_value(dtype))
-            if labels_dtype is not None:
-                dtype = np.dtype(labels_dtype)
+            if layout.labels_dtype is not None:
+                dtype = np.dtype(layout.labels_dtype)
                 backend.create("labels", (rows,), dtype, chunk_size, fill_value(dtype))
-            backend.create_markers(-(-rows // chunk_size))
+            backend.create_markers(-(-rows // chunk_size), chunk_size)
             if ids is None:
                 backend.create("ids", (rows,), np.int64, chunk_size, None)
                 for start in range(0, rows, 1 << 16):
                     backend.write("ids", start, np.arange(start, min(rows, start + (1 << 16)), dtype=np.int64))
             else:
                 width = max(map(len, ids), default=1)
-                backend.create("ids", (rows,), str if format != "npy" else f"<U{width}", chunk_size, "" if format != "npy" else None)
+                text: Any = str if format != "npy" else f"<U{width}"
+                backend.create("ids", (rows,), text, chunk_size, "" if format != "npy" else None)
                 for start in range(0, rows, 1 << 16):  # in pieces: a million paths are no small array
-                    backend.write("ids", start, np.array(ids[start : start + (1 << 16)], dtype=str if format != "npy" else f"<U{width}"))
+                    backend.write("ids", start, np.array(ids[start : start + (1 << 16)], dtype=text))
             meta["ready"] = True
+            backend.sync()
             backend.write_meta(meta)
-            backend.flush()
         except BaseException:
             backend.close()
             raise
@@ -487,13 +1051,8 @@ class StoreWriter:
 
     @classmethod
     def open(cls, path: str | Path) -> StoreWriter:
-        """An existing store, to add its missing chunks."""
-        backend = _open_backend(location(path), "r+")
-        meta = backend.read_meta()
-        if not meta:
-            backend.close()
-            raise StoreError(f"{path} is not a layertap feature store")
-        return cls(backend, meta)
+        """An existing store, checked, to add its missing chunks (the caller coordinates writers)."""
+        return cls(*_open_backend(location(path), "r+"))
 
     def chunk_range(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_size
@@ -508,19 +1067,47 @@ class StoreWriter:
         """The complete chunks (their failed samples are read by `FeatureStore.failed`)."""
         return set(self.backend.markers())
 
-    def write_chunk(self, chunk: int, arrays: Mapping[str, np.ndarray], labels: np.ndarray | None, failed: Sequence[Failure]) -> None:
-        """Write the rows of ``chunk`` (all of them, failed ones filled), then its marker."""
+    def markers(self) -> dict[int, Marker]:
+        """The complete chunks' markers, checked."""
+        return {c: _parse_marker(text, c, self.chunk_range(c), self.backend.path) for c, text in self.backend.markers().items()}
+
+    def write_chunk(
+        self,
+        chunk: int,
+        arrays: Mapping[str, np.ndarray],
+        labels: np.ndarray | None,
+        failed: Sequence[Failure],
+        digests: Sequence[str] | None = None,
+    ) -> None:
+        """Write the rows of ``chunk`` (all of them, failed ones filled) and hand them to the disk,
+        then its marker. A write the disk refuses (full, read-only, I/O error) raises `StoreError`
+        and leaves the chunk unmarked, to be written again by a resumed run."""
         start, _ = self.chunk_range(chunk)
         n = len(arrays[self.specs[0].key])
-        if self.num_samples is None and start + n > self.rows:
-            self._grow(start + n)
-        for spec in self.specs:
-            self.backend.write(spec.path, start, arrays[spec.key])
-        if labels is not None and self.meta["labels"] is not None:
-            self.backend.write("labels", start, labels)
-        self.backend.flush()
-        self.backend.mark(chunk, json.dumps({"failed": [list(f) for f in failed], "process": self.process}))
-        self.backend.flush()
+        try:
+            if self.num_samples is None and start + n > self.rows:
+                self._grow(start + n)
+            for spec in self.specs:
+                self.backend.write(spec.path, start, arrays[spec.key])
+            if labels is not None and self.meta["labels"] is not None:
+                self.backend.write("labels", start, labels)
+            self.backend.sync()
+            self.backend.mark(chunk, Marker(list(failed), self.process, None if digests is None else list(digests)).to_json())
+            self.backend.sync()
+        except (OSError, RuntimeError) as e:  # h5py reports a failed HDF5 flush as a RuntimeError
+            self.broken = True
+            raise self._write_error(e) from e
+        if self.lock is not None:
+            self.lock.renew()
+
+    def _write_error(self, e: OSError | RuntimeError) -> StoreError:
+        code = getattr(e, "errno", None)
+        if code is None and (found := re.search(r"errno = (\d+)", str(e))):  # HDF5's text
+            code = int(found.group(1))
+        reason = {errno.ENOSPC: "the disk is full", errno.EROFS: "the disk is read-only", errno.EDQUOT: "the disk quota is used up"}.get(
+            code or 0, _one_line(e)
+        )
+        return StoreError(f"cannot write to {self.backend.path}: {reason}; the store stays incomplete: fix that and run the same extraction again to resume")
 
     def _grow(self, rows: int) -> None:
         for name in [s.path for s in self.specs] + ["ids"] + (["labels"] if self.meta["labels"] else []):
@@ -529,37 +1116,67 @@ class StoreWriter:
         self.rows = rows
 
     def finish(self, num_samples: int) -> None:
-        """Mark the store complete, after checking that every one of its chunks is."""
+        """Mark the store complete, after checking that every one of its chunks is written."""
         if self.num_samples is None:
             self.meta["num_samples"] = self.num_samples = num_samples
         missing = sorted(set(range(self.num_chunks or 0)) - self.done())
         if missing:
             raise StoreError(f"chunks {missing[:10]} of {self.backend.path} are not written; the store stays incomplete")
         self.meta["complete"] = True
-        self.backend.write_meta(self.meta)
-        self.backend.flush()
+        try:
+            self.backend.sync()
+            self.backend.write_meta(self.meta)
+            self.backend.sync()
+        except (OSError, RuntimeError) as e:
+            self.meta["complete"] = False
+            self.broken = True
+            raise self._write_error(e) from e
 
     def close(self) -> None:
-        self.backend.close()
+        try:
+            self.backend.close()
+        except (OSError, RuntimeError):
+            if not self.broken:  # after a refused write, the error that says why was raised already
+                raise
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
 
 def remove_store(path: str | Path) -> None:
-    """Delete the layertap store at ``path``; refuse anything else, so no user data is lost."""
+    """Delete the layertap store at ``path``; refuse anything else, so no user data is lost.
+
+    The store's lock file stays: the writer that holds it is the one removing the store.
+    """
     path = location(path)
     if not occupied(path):
         return
     format = detect_format(path)
-    backend = _open_backend(path, "r", format) if format else None
-    meta = backend.read_meta() if backend else None
-    if backend:
-        backend.close()
-    if not meta or "layertap_store" not in meta:
+    meta = None
+    if format:
+        backend = _BACKENDS[format](path, "r")
+        try:
+            meta = backend.read_meta()
+        except StoreError:
+            meta = None
+        finally:
+            backend.close()
+    if not isinstance(meta, dict) or "layertap_store" not in meta:
         raise StoreError(f"{path} exists and is not a layertap feature store: choose another output path")
     if is_url(path):
         fs, inner = url_fs(path)
-        fs.rm(inner, recursive=True)
+        for entry in fs.ls(inner, detail=False):
+            if not str(entry).endswith(LOCK):
+                fs.rm(entry, recursive=True)
     elif path.is_dir():
-        shutil.rmtree(path)
+        for entry in path.iterdir():
+            if entry.name == LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()  # a symlink is removed, never what it points to
     else:
         path.unlink()
 
@@ -570,7 +1187,8 @@ class FeatureStore(Mapping[str, Any]):
 
     Values are the format's own lazy arrays (``zarr.Array``, ``h5py.Dataset``, ``np.memmap``):
     slicing reads only what is asked. Samples that failed to load (``on_error='skip'``) are
-    listed in `failed` and their rows hold NaN (floats) or -1/0 (integers).
+    listed in `failed` and their rows hold NaN (floats) or -1/0 (integers). Opening checks the
+    store (see the module docs): a damaged or crafted one is refused with a `StoreError`.
 
     >>> import layertap
     >>> feats = layertap.open_features("/tmp/doc.zarr")       # doctest: +SKIP
@@ -579,13 +1197,14 @@ class FeatureStore(Mapping[str, Any]):
 
     def __init__(self, path: str | Path) -> None:
         self.path = location(path)
-        self._backend = _open_backend(self.path, "r")
-        meta = self._backend.read_meta()
-        if not meta or "layertap_store" not in meta:
+        self._backend, self.meta = _open_backend(self.path, "r")
+        self._specs = {a["key"]: a for a in self.meta["arrays"]}
+        chunk, n = self.meta["chunk_size"], self.num_samples
+        try:
+            self._markers = {c: _parse_marker(t, c, (c * chunk, min(n, (c + 1) * chunk)), self.path) for c, t in self._backend.markers().items()}
+        except BaseException:
             self._backend.close()
-            raise StoreError(f"{self.path} is not a layertap feature store")
-        self.meta: dict = meta
-        self._specs = {a["key"]: a for a in meta["arrays"]}
+            raise
 
     @property
     def format(self) -> str:
@@ -632,8 +1251,7 @@ class FeatureStore(Mapping[str, Any]):
     @property
     def failed(self) -> list[Failure]:
         """Samples that could not be loaded: ``Failure(index, id, error)``, by index."""
-        records = [Failure(*f) for text in self._backend.markers().values() for f in json.loads(text)["failed"]]
-        return sorted(records, key=lambda f: f.index)
+        return sorted((f for m in self._markers.values() for f in m.failed), key=lambda f: f.index)
 
     def to_numpy(self, key: str) -> np.ndarray:
         """All of ``key``'s array, in memory."""
@@ -662,7 +1280,9 @@ def open_features(path: str | Path) -> FeatureStore:
     """Open the feature store at ``path`` (written by `layertap.extract_dataset`) for reading.
 
     An incomplete store (an interrupted run) opens with a warning; rerun the extraction to
-    finish it.
+    finish it. A store is data: opening one never runs anything from it, and one that is
+    damaged or crafted (paths leading out, metadata that disagrees with its arrays) is
+    refused with a `StoreError`.
     """
     store = FeatureStore(path)
     if not store.complete:
@@ -674,4 +1294,19 @@ def open_features(path: str | Path) -> FeatureStore:
     return store
 
 
-__all__ = ["FeatureStore", "open_features", "StoreError", "StoreWriter", "ArraySpec", "FORMATS", "format_for", "detect_format", "is_url", "location"]
+__all__ = [
+    "FeatureStore",
+    "open_features",
+    "open_or_create",
+    "StoreError",
+    "StoreWriter",
+    "StoreLock",
+    "ArraySpec",
+    "Layout",
+    "Marker",
+    "FORMATS",
+    "format_for",
+    "detect_format",
+    "is_url",
+    "location",
+]

@@ -119,6 +119,9 @@ def cam(
     std: str | None = typer.Option(None, "--std", help="Override the normalisation std, e.g. 0.5,0.5,0.5."),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Images per forward."),
     device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda:0 (default: cpu)."),
+    max_image_pixels: int | None = typer.Option(
+        None, "--max-image-pixels", min=0, help="Refuse images of more than N pixels (default: PIL's limit, about 179 million; 0: no limit)."
+    ),
     arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
@@ -152,7 +155,7 @@ def cam(
     explainer = METHODS[method](net, layer or None)
     for start in range(0, len(paths), batch_size):
         chunk = range(start, min(start + batch_size, len(paths)))
-        pictures = [load_image(paths[i]) for i in chunk]
+        pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
         inputs = torch.stack([transform(p) for p in pictures])
         maps = explainer(inputs.to(where), class_index)
         probs = explainer.logits.float().softmax(-1).cpu()

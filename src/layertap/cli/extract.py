@@ -52,6 +52,9 @@ def extract(
     on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store (default: resume it)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
+    max_image_pixels: Optional[int] = typer.Option(
+        None, "--max-image-pixels", min=0, help="Refuse images of more than N pixels (default: PIL's limit, about 179 million; 0: no limit)."
+    ),
     chunk_size: Optional[int] = typer.Option(
         None, "--chunk-size", min=1, help="Samples per chunk: the unit of writing, resuming and sharing among processes (default: ~16 MB)."
     ),
@@ -85,6 +88,7 @@ def extract(
         on_error=on_error,
         limit=limit,
         chunk_size=chunk_size,
+        max_image_pixels=max_image_pixels,
     )
     with store:
         if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job

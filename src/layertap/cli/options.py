@@ -54,5 +54,11 @@ def arch_option(what: str = "file") -> Any:
     return typer.Option(None, "--arch", help=f"Architecture spec for a state-dict .pt/.pth {what}.")
 
 
-def trust_option() -> Any:
-    return typer.Option(False, "--trust", help="Allow unpickling a whole model from a file (runs its code).")
+TRUST_HELP = (
+    "Let code that comes with the model run: a whole model pickled in a .pt file, a Hugging Face folder's "
+    "own modeling code (auto_map). Never asked interactively."
+)
+
+
+def trust_option(help: str = TRUST_HELP) -> Any:
+    return typer.Option(False, "--trust", help=help)

@@ -9,7 +9,7 @@ from ..loading import load_model
 from ..report import build_report
 from ..store import is_url, location
 from . import app, typer
-from .options import arch_option, check_method, check_spec
+from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
 
 
 @app.command()
@@ -18,18 +18,23 @@ def report(
     out: Path | None = typer.Option(None, "--out", help="The HTML file to write (default: beside the store, STORE.html)."),
     model: str | None = typer.Option(
         None, "--model", callback=check_spec,
-        help="The model that wrote the store, as a spec (default: the spec the store records).",
+        help="The model that wrote the store, as a spec (default: none; with --trust, the spec the store records).",
     ),
     arch: str | None = arch_option("--model"),
     images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: the one it records)."),
     method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
     heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
     max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the PCA plots and used for statistics."),
+    trust: bool = trust_option(
+        "Without --model, load the model spec the store records (named on stderr first): it runs code the store names. "
+        + TRUST_HELP
+    ),
 ) -> None:
     """Write one HTML page (no network needed to view it) with the model's layer table, heatmaps
     of the store's images with true and predicted classes, a 2-D PCA of every stored layer
     coloured by class, and per-layer activation statistics. Sections that need what the store
-    lacks (the model, the image files) say so instead.
+    lacks (the model, the image files) say so instead. A store is data: the model it records is
+    loaded only with --trust, and only images inside its image folder are read.
 
     Example: layertap report ./features.zarr --out report.html
     """
@@ -41,6 +46,8 @@ def report(
     if not is_url(where) and not where.exists():
         raise typer.BadParameter(f"no feature store at {store}", param_hint="'STORE'")
     target = out or where.with_suffix(".html")
-    net = load_model(model, arch=arch) if model is not None else None
-    path = build_report(where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples)
+    net = load_model(model, arch=arch, trust=trust) if model is not None else None
+    path = build_report(
+        where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples, trust_store_model=trust
+    )
     typer.echo(f"report: {path}")

@@ -1,0 +1,248 @@
+"""Model files and folders from someone else run none of their code unless ``trust=True`` (``--trust``).
+
+Each attack is a real crafted file or folder whose code, if run, writes a marker file: the tests
+check the marker, not a mock. The CLI runs in subprocesses where stdin matters (a prompt on stdin
+would be a way for the code to run) and where the code may run (its modules stay out of pytest).
+"""
+
+import json
+import os
+import pickle
+import pty
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from layertap.cli import run
+from layertap.loading import ModelLoadError, load_model
+
+
+class Payload:
+    """A pickle that creates a folder when unpickled, as a malicious file would run code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def one_line(error: BaseException) -> str:
+    message = str(error)
+    assert message and "\n" not in message, message
+    return message
+
+
+def layertap_process(*args, stdin=None, input=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "layertap", *args],
+        stdin=stdin,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
+    )
+
+
+# ---------------------------------------------------------------------------- Hugging Face folders
+@pytest.fixture
+def custom_code(tmp_path):
+    """A Hugging Face folder with its own modeling code (auto_map), which writes ``ran`` on import."""
+    from safetensors.torch import save_file
+
+    folder, marker = tmp_path / "custom", tmp_path / "ran"
+    folder.mkdir()
+    config = {
+        "model_type": "custom_net",
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel"},
+        "width": 4,
+        "image_size": 8,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_custom.py").write_text(
+        textwrap.dedent(
+            """
+            from transformers import PretrainedConfig
+
+            class CustomConfig(PretrainedConfig):
+                model_type = "custom_net"
+
+                def __init__(self, width=4, image_size=8, **kwargs):
+                    self.width, self.image_size = width, image_size
+                    super().__init__(**kwargs)
+            """
+        )
+    )
+    (folder / "modeling_custom.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        + textwrap.dedent(
+            """
+            from torch import nn
+            from transformers import PreTrainedModel
+
+            from .configuration_custom import CustomConfig
+
+            class CustomModel(PreTrainedModel):
+                config_class = CustomConfig
+                main_input_name = "pixel_values"
+
+                def __init__(self, config):
+                    super().__init__(config)
+                    self.linear = nn.Linear(config.width, config.width)
+                    self.post_init()
+
+                def forward(self, pixel_values):
+                    return self.linear(pixel_values.flatten(1)[:, : self.config.width])
+            """
+        )
+    )
+    save_file({"linear.weight": torch.eye(4), "linear.bias": torch.zeros(4)}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder, marker
+
+
+def test_a_folder_with_its_own_code_is_refused_without_trust(custom_code):
+    folder, marker = custom_code
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{folder}")
+    message = one_line(refused.value)
+    assert f"hf:{folder} brings its own Python code (auto_map" in message and "--trust" in message
+    assert not marker.exists()
+
+
+@pytest.fixture
+def vit_folder(tmp_path):
+    """A tiny Hugging Face vision model folder with its image processor, all stock classes."""
+    import transformers
+
+    config = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    transformers.ViTModel(config).save_pretrained(tmp_path)
+    transformers.ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def add_to_json(path, **fields):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_a_folder_with_a_known_model_type_and_its_own_code_is_refused(vit_folder):
+    """transformers would quietly use its own class here; the folder means its code: refused too."""
+    add_to_json(vit_folder / "config.json", auto_map={"AutoModel": "modeling_vit.ViTModel"})
+    with pytest.raises(ModelLoadError, match="--trust"):
+        load_model(f"hf:{vit_folder}")
+
+
+def test_an_image_processor_with_its_own_code_is_refused(vit_folder):
+    (vit_folder / "image_processing_custom.py").write_text(f"import pathlib\npathlib.Path({str(vit_folder / 'ran')!r}).touch()\n")
+    add_to_json(
+        vit_folder / "preprocessor_config.json",
+        image_processor_type="CustomImageProcessor",
+        auto_map={"AutoImageProcessor": "image_processing_custom.CustomImageProcessor"},
+    )
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{vit_folder}")
+    assert "brings its own Python code" in one_line(refused.value) and "--trust" in str(refused.value)
+    assert not (vit_folder / "ran").exists()
+
+
+@pytest.mark.parametrize("stdin", ["closed", "pipe answering y", "terminal answering y"])
+def test_no_prompt_ever_asks_to_run_a_folders_code(custom_code, tmp_path, stdin):
+    """transformers asks ``[y/N]`` on stdin when not told: layertap always tells it, so nothing reads stdin."""
+    folder, marker = custom_code
+    spec = f"hf:{folder}"
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules")}
+    if stdin == "closed":
+        done = subprocess.run(
+            ["bash", "-c", 'exec "$0" -m layertap inspect "$1" <&-', sys.executable, spec],
+            capture_output=True, text=True, timeout=300, check=False,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+        )
+    elif stdin == "pipe answering y":
+        done = layertap_process("inspect", spec, input="y\ny\n", env=env)
+    else:
+        controller, terminal = pty.openpty()
+        try:
+            os.write(controller, b"y\ny\n")
+            done = layertap_process("inspect", spec, stdin=terminal, env=env)
+        finally:
+            os.close(controller)
+            os.close(terminal)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"layertap: error: {spec} brings its own Python code"), done.stderr
+    assert "--trust" in lines[0] and "[y/N]" not in done.stdout + done.stderr
+    assert not marker.exists()
+
+
+def test_trust_lets_a_folders_code_run(custom_code, tmp_path):
+    folder, marker = custom_code
+    done = layertap_process("inspect", f"hf:{folder}", "--trust", env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert done.returncode == 0, done.stderr
+    assert marker.read_text() == "ran" and "CustomModel" in done.stdout
+
+
+@pytest.fixture
+def bert_folder(tmp_path):
+    """A tiny Hugging Face text model folder, without weights yet."""
+    import transformers
+
+    folder = tmp_path / "bert"
+    config = transformers.BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("container", ["torch.save", "plain pickle"])
+@pytest.mark.parametrize("trust", [False, True])
+def test_pickled_bin_weights_never_run_code(bert_folder, tmp_path, container, trust):
+    marker = tmp_path / "pwned"
+    weights = bert_folder / "pytorch_model.bin"
+    if container == "torch.save":
+        torch.save({"embeddings.word_embeddings.weight": Payload(str(marker))}, weights)
+    else:
+        weights.write_bytes(pickle.dumps(Payload(str(marker)), protocol=2))
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{bert_folder}", trust=trust)  # transformers reads .bin files as tensors only
+    message = one_line(refused.value)
+    assert f"hf:{bert_folder} holds pickled weights" in message and "safetensors" in message
+    assert isinstance(refused.value.__cause__, pickle.UnpicklingError)
+    assert not marker.exists()
+
+
+def test_plain_bin_weights_still_load(bert_folder):
+    import transformers
+
+    original = transformers.BertModel(transformers.BertConfig.from_pretrained(bert_folder))
+    torch.save(original.state_dict(), bert_folder / "pytorch_model.bin")
+    loaded = load_model(f"hf:{bert_folder}")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), original.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------- .pt / .pth files
+def test_a_pickle_payload_in_a_pt_file_runs_only_with_trust(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "model.pt"
+    torch.save(Payload(str(marker)), path)
+    for arch in (None, "torch.nn:Identity"):
+        with pytest.raises(ModelLoadError) as refused:
+            load_model(str(path), arch=arch)
+        message = one_line(refused.value)
+        assert "a pickled os.makedirs" in message and "arbitrary code" in message and "--trust" in message
+        assert not marker.exists()
+    with pytest.raises(ModelLoadError, match="holds a NoneType"):  # what os.makedirs returned
+        load_model(str(path), trust=True)
+    assert marker.is_dir()  # with trust, the file's code ran
+
+
+def test_cli_refuses_a_pickle_payload_in_one_line(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "model.pth"
+    torch.save({"state_dict": Payload(str(marker))}, path)
+    assert run(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"layertap: error: {path} holds a pickled") and "--trust" in err[0]
+    assert not marker.exists()
