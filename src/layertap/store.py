@@ -491,7 +491,11 @@ class _HDF5Backend(_Backend):
         done[chunk] = 1
 
     def markers(self) -> dict[int, str]:
-        markers, done = self.file[self.MARKERS], self.file[self.DONE]
+        markers = self.file[self.MARKERS]
+        if self.DONE not in self.file and markers.ndim == 1:  # a version-1 store: text markers
+            values = markers.asstr()[:]
+            return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
+        done = self.file[self.DONE]
         return {int(c): markers[c].tobytes().rstrip(b"\0").decode() for c in np.flatnonzero(done[:])}
 
     def create_markers(self, n: int, chunk_size: int) -> None:
@@ -781,8 +785,10 @@ class StoreLock:
                 raise self._held_by(text)
         self.renew(force=True)
         time.sleep(0.05)  # object stores have no exclusive create: the last writer wins; check it is us
-        if json.loads(fs.cat_file(inner))["pid"] != self.owner["pid"] or json.loads(fs.cat_file(inner))["host"] != self.owner["host"]:
-            raise self._held_by(fs.cat_file(inner).decode(errors="replace"))
+        text = fs.cat_file(inner).decode(errors="replace")
+        if {k: json.loads(text).get(k) for k in self.owner} != self.owner:
+            self._renewed = 0.0  # not ours to remove
+            raise self._held_by(text)
 
     def _stale(self, text: str) -> bool:
         try:
