@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import layertap
+from layertap.data import Failure
 from layertap.store import Layout, StoreError, StoreWriter, array_specs, format_for, remove_store, safe_name
 
 
@@ -81,7 +82,7 @@ def new_store(tmp_path, num_samples=10, chunk_size=4):
 def test_a_store_is_complete_only_when_every_chunk_is_written(tmp_path):
     writer = new_store(tmp_path)
     writer.write_chunk(0, {"layer": np.ones((4, 3), np.float32)}, np.arange(4), [])
-    writer.write_chunk(2, {"layer": np.full((2, 3), 2, np.float32)}, np.arange(8, 10), [])
+    writer.write_chunk(2, {"layer": np.full((2, 3), 2, np.float32)}, np.arange(8, 10), [Failure(9, 9, "OSError: unreadable")])
     with pytest.raises(StoreError, match=r"chunks \[1\]"):
         writer.finish(10)
     writer.close()
@@ -91,6 +92,8 @@ def test_a_store_is_complete_only_when_every_chunk_is_written(tmp_path):
     values = store.to_numpy("layer")
     assert (values[:4] == 1).all() and np.isnan(values[4:8]).all() and (values[8:] == 2).all()
     assert store.labels.tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 8, 9]
+    # the rows that hold features: not the unwritten chunk, not the failed sample
+    assert store.valid.tolist() == [True] * 4 + [False] * 4 + [True, False]
 
 
 def test_the_feature_store_is_a_read_only_mapping(tmp_path):

@@ -91,7 +91,7 @@ class _Context:
         self.meta = store.meta
         self.ids = store.ids
         self.labels = store.labels
-        self.valid = np.setdiff1d(np.arange(store.num_samples), [f.index for f in store.failed])
+        self.valid = np.flatnonzero(store.valid)  # read and written rows only
         self.sample = _spread(self.valid, max_samples)
         self.classes = self._class_names()
         self.root = self._image_root(images)

@@ -1259,6 +1259,24 @@ class FeatureStore(Mapping[str, Any]):
         """Samples that could not be loaded: ``Failure(index, id, error)``, by index."""
         return sorted((f for m in self._markers.values() for f in m.failed), key=lambda f: f.index)
 
+    @property
+    def valid(self) -> np.ndarray:
+        """Which rows hold features: ``True`` for every sample that was read and written, ``False``
+        for samples that could not be read (`failed`) and for chunks not yet written.
+
+        >>> import layertap
+        >>> feats = layertap.open_features("/tmp/doc.zarr")
+        >>> good = feats.to_numpy("avgpool")[feats.valid]  # the rows to analyse
+        >>> int(feats.valid.sum()), len(good)
+        (8, 8)
+        """
+        mask = np.zeros(self.num_samples, dtype=bool)
+        chunk = self.meta["chunk_size"]
+        for c in self._markers:
+            mask[c * chunk : (c + 1) * chunk] = True
+        mask[[f.index for f in self.failed]] = False
+        return mask
+
     def to_numpy(self, key: str) -> np.ndarray:
         """All of ``key``'s array, in memory."""
         return np.asarray(self[key][:])
