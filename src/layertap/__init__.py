@@ -8,17 +8,22 @@
 """
 
 from .errors import (
+    ArgumentError,
+    DataChangedError,
     LayerForwardError,
     LayerNotFoundError,
     LayerNotRunError,
     LayertapError,
     MissingExtraError,
+    RankFailedError,
+    StoreError,
+    StoreLockedError,
     TapError,
 )
 from . import cam
 from .features import FeatureExtractor, extract
 from .dataset import extract_dataset
-from .store import FeatureStore, StoreError, open_features
+from .store import FeatureStore, open_features
 from .overlay import overlay, overlay_grid
 from .loading import ModelInfo, load_model, model_info
 from .select import select
@@ -61,4 +66,8 @@ __all__ = [
     "LayerForwardError",
     "TapError",
     "MissingExtraError",
+    "ArgumentError",
+    "StoreLockedError",
+    "DataChangedError",
+    "RankFailedError",
 ]

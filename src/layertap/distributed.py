@@ -24,13 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import LayertapError
+from .errors import RankFailedError
 
 T = TypeVar("T")
-
-
-class RankFailedError(LayertapError):
-    """Another process of the job failed; its error is in the message (and in its own output)."""
 
 
 def launched() -> tuple[int, int, int]:

@@ -1,10 +1,22 @@
-"""The exceptions layertap raises. Each message names the problem and the fix."""
+"""The exceptions layertap raises, all of them. Each message names the problem and the fix.
+
+Every class derives from `LayertapError` and, where one fits, from the matching built-in
+exception, so ``except KeyError`` or ``except ValueError`` code keeps working:
+
+>>> import layertap
+>>> issubclass(layertap.LayerNotFoundError, KeyError), issubclass(layertap.ArgumentError, ValueError)
+(True, True)
+"""
 
 from __future__ import annotations
 
 
 class LayertapError(Exception):
     """Base class of every error layertap raises on purpose."""
+
+
+class ArgumentError(LayertapError, ValueError):
+    """An argument has the wrong shape, type or value; the message says what is expected."""
 
 
 class LayerNotFoundError(LayertapError, KeyError):
@@ -21,11 +33,11 @@ class LayerNotRunError(LayertapError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class TapError(LayertapError):
+class TapError(LayertapError, RuntimeError):
     """A tap was asked for something it cannot do in this setting (e.g. gradients under no_grad)."""
 
 
-class LayerForwardError(LayertapError):
+class LayerForwardError(LayertapError, RuntimeError):
     """The model's forward raised inside a layer; the message names the layer and its inputs.
 
     The original exception is chained as ``__cause__``.
@@ -38,19 +50,27 @@ class LayerForwardError(LayertapError):
 
 
 class StoreError(LayertapError):
-    """A feature store cannot be written or read as asked; the message says why and what to do."""
+    """A feature store cannot be written or read as asked; the message says why and what to do.
+
+    It covers stores that are damaged or crafted, settings that differ, and refused writes, so
+    it has no built-in base of its own; `DataChangedError` is also a ``ValueError``.
+    """
 
 
 class StoreLockedError(StoreError):
     """Another extraction is writing the store; the message names it (host, pid, start time)."""
 
 
-class DataChangedError(StoreError):
+class DataChangedError(StoreError, ValueError):
     """A resumed extraction found samples that differ from those its written chunks were made of."""
 
 
 class MissingExtraError(LayertapError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
+
+
+class RankFailedError(LayertapError, RuntimeError):
+    """Another process of the job failed; its error is in the message (and in its own output)."""
 
 
 def require(module: str, extra: str):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import LayertapError, require
+from .errors import ArgumentError, require
 
 Colormap = str | np.ndarray
 
@@ -43,20 +43,20 @@ JET: np.ndarray = _jet()
 def _lut(colormap: Colormap) -> np.ndarray:
     if isinstance(colormap, np.ndarray):
         if colormap.ndim != 2 or colormap.shape[1] != 3:
-            raise LayertapError(f"a colormap array must be [N, 3] RGB rows, got shape {list(colormap.shape)}")
+            raise ArgumentError(f"a colormap array must be [N, 3] RGB rows, got shape {list(colormap.shape)}")
         return colormap.astype(np.uint8) if colormap.dtype == np.uint8 else (np.clip(colormap, 0, 1) * 255).astype(np.uint8)
     try:
         import matplotlib
     except ImportError:
         if colormap == "jet":
             return JET
-        raise LayertapError(
+        raise ArgumentError(
             f"colormap {colormap!r} needs matplotlib (pip install matplotlib); without it only 'jet' is built in"
         ) from None
     try:
         cmap = matplotlib.colormaps[colormap]
     except KeyError:
-        raise LayertapError(f"unknown colormap {colormap!r}; see matplotlib.colormaps for the names") from None
+        raise ArgumentError(f"unknown colormap {colormap!r}; see matplotlib.colormaps for the names") from None
     return cmap(np.linspace(0.0, 1.0, cmap.N), bytes=True)[:, :3]
 
 
@@ -76,7 +76,7 @@ def _as_map(heatmap: Any) -> np.ndarray:
     while values.ndim > 2 and values.shape[0] == 1:  # [1, H, W] (one map of a batch)
         values = values[0]
     if values.ndim != 2:
-        raise LayertapError(f"a heatmap must be 2-D [H, W], got shape {list(np.shape(heatmap))}")
+        raise ArgumentError(f"a heatmap must be 2-D [H, W], got shape {list(np.shape(heatmap))}")
     return values
 
 
@@ -87,13 +87,13 @@ def _as_image(image: Any):
         return image.convert("RGB")
     if isinstance(image, torch.Tensor):
         if image.dim() != 3 or image.shape[0] not in (1, 3):
-            raise LayertapError(f"an image tensor must be [3, H, W] (or [1, H, W]) in [0, 1], got {list(image.shape)}")
+            raise ArgumentError(f"an image tensor must be [3, H, W] (or [1, H, W]) in [0, 1], got {list(image.shape)}")
         image = image.detach().float().cpu().expand(3, -1, -1).permute(1, 2, 0).numpy()
     array = np.asarray(image)
     if array.ndim == 2:
         array = np.repeat(array[..., None], 3, axis=2)
     if array.ndim != 3 or array.shape[2] != 3:
-        raise LayertapError(f"an image array must be [H, W, 3], got shape {list(array.shape)}")
+        raise ArgumentError(f"an image array must be [H, W, 3], got shape {list(array.shape)}")
     if array.dtype != np.uint8:  # floats in [0, 1]
         array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
     return pil.fromarray(array, "RGB")
@@ -107,7 +107,7 @@ def overlay(image: Any, heatmap: Any, alpha: float = 0.5, colormap: Colormap = "
     Returns an RGB ``PIL.Image``.
     """
     if not 0 <= alpha <= 1:
-        raise LayertapError(f"alpha must be in [0, 1], got {alpha}")
+        raise ArgumentError(f"alpha must be in [0, 1], got {alpha}")
     pil = require("PIL.Image", "vision")
     base = _as_image(image)
     values = _as_map(heatmap)
@@ -140,7 +140,7 @@ def overlay_grid(
     pil = require("PIL.Image", "vision")
     images, heatmaps = list(images), list(heatmaps)
     if len(images) != len(heatmaps) or not images:
-        raise LayertapError(f"overlay_grid needs one heatmap per image: got {len(images)} images, {len(heatmaps)} heatmaps")
+        raise ArgumentError(f"overlay_grid needs one heatmap per image: got {len(images)} images, {len(heatmaps)} heatmaps")
     tiles = [overlay(i, h, alpha, colormap) for i, h in zip(images, heatmaps)]
     width, height = tiles[0].size
     columns = columns or math.ceil(math.sqrt(len(tiles)))

@@ -51,7 +51,7 @@ from torch import nn
 from . import cam
 from .data import ImageFiles
 from .dataset import model_fingerprint
-from .errors import LayertapError, require
+from .errors import ArgumentError, require
 from .features import place_model
 from .images import load_image
 from .loading import ModelLoadError, load_model, model_info, spec_kind
@@ -577,9 +577,9 @@ def build_report(
         >>> layertap.build_report("feats.zarr", "feats.html", model="torchvision:resnet18")  # doctest: +SKIP
     """
     if cam_method not in cam.METHODS:
-        raise LayertapError(f"unknown cam_method {cam_method!r}; choose from {list(cam.METHODS)}")
+        raise ArgumentError(f"unknown cam_method {cam_method!r}; choose from {list(cam.METHODS)}")
     if heatmaps < 1 or max_samples < 3:
-        raise LayertapError(f"need heatmaps >= 1 and max_samples >= 3, got {heatmaps} and {max_samples}")
+        raise ArgumentError(f"need heatmaps >= 1 and max_samples >= 3, got {heatmaps} and {max_samples}")
     require("PIL.Image", "vision")
     started = time.perf_counter()
     opened = store if isinstance(store, FeatureStore) else open_features(store)

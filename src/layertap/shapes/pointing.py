@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import cam
-from ..errors import LayertapError
+from ..errors import ArgumentError
 from .data import generate, preprocess
 from .model import load_shapes_model
 
@@ -47,7 +47,7 @@ def peaks(maps: Any) -> np.ndarray:
     """
     m = _as_numpy(maps)
     if m.ndim != 3:
-        raise LayertapError(f"maps must be [N, H, W], got shape {list(m.shape)}")
+        raise ArgumentError(f"maps must be [N, H, W], got shape {list(m.shape)}")
     y, x = np.unravel_index(np.nan_to_num(m, nan=-np.inf).reshape(len(m), -1).argmax(1), m.shape[1:])
     return np.stack([x, y], 1)
 
@@ -61,7 +61,7 @@ def pointing_hits(maps: Any, boxes: Any) -> np.ndarray:
     m = _as_numpy(maps)
     b = _as_numpy(boxes).astype(np.int64)
     if m.ndim != 3 or b.shape != (len(m), 4):
-        raise LayertapError(
+        raise ArgumentError(
             f"need maps [N, H, W] and boxes [N, 4] for the same N, got {list(m.shape)} and {list(b.shape)}"
         )
     x, y = peaks(m).T
@@ -80,7 +80,7 @@ def pointing_game(maps: Any, boxes: Any) -> float:
     """
     hits = pointing_hits(maps, boxes)
     if not len(hits):
-        raise LayertapError("the pointing game needs at least one map")
+        raise ArgumentError("the pointing game needs at least one map")
     return float(hits.mean())
 
 
@@ -108,7 +108,7 @@ def pointing_scores(
     names = list(cam.METHODS if methods is None else methods)
     unknown = [m for m in names if m not in cam.METHODS]
     if unknown:
-        raise LayertapError(f"unknown CAM methods {unknown}; choose from {list(cam.METHODS)}")
+        raise ArgumentError(f"unknown CAM methods {unknown}; choose from {list(cam.METHODS)}")
     model = load_shapes_model() if model is None else model
     batch = generate(n, seed=seed)
     scores = {}
