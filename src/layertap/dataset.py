@@ -235,6 +235,7 @@ class _HeapTrimmer:
 
     def __init__(self) -> None:
         self.since = 0
+        self.trim: Callable[[int], Any] | None
         try:
             self.trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):
@@ -367,7 +368,7 @@ def _plan(writer: StoreWriter, done: Iterable[int], rank: int = 0, world: int = 
     if writer.num_samples is None:
         return None
     size, n, done = writer.chunk_size, writer.num_samples, set(done)
-    missing = [c for c in range(writer.num_chunks) if c not in done][rank::world]
+    missing = [c for c in range(-(-n // size)) if c not in done][rank::world]
     parts = [np.arange(c * size, min(n, (c + 1) * size), dtype=np.int64) for c in missing]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -557,6 +558,12 @@ class _Run:
         self.reader: Iterator[Computed] | None = None  # the run's batches, when reading them began there
         self.end = 0  # where the data read so far ended (for data of unknown length)
 
+    @property
+    def store(self) -> StoreWriter:
+        """The writer, once `_start` (rank 0) or `_open` (the others) made it."""
+        assert self.writer is not None
+        return self.writer
+
     def extract(self, *, resume: bool, overwrite: bool) -> None:
         procs = self.procs
         state = procs.share(lambda: self._start(resume, overwrite))
@@ -564,18 +571,19 @@ class _Run:
             _say(self.progress, f"{self.out} is already complete")
             return
         procs.together(self._open)  # rank 0 made or checked it; the others open it
-        self.writer.process = procs.rank
+        store = self.store
+        store.process = procs.rank
         # one view of the chunks done, taken before any process writes, so the plans agree
-        done = procs.share(lambda: sorted(self.writer.done()))
+        done = procs.share(lambda: sorted(store.done()))
         verifier = None
         if state == "resume":
-            _say(self.progress, f"resuming {self.out}: {len(done)} of {self.writer.num_chunks or '?'} chunks already written")
-            recorded = {c: m.digests for c, m in self.writer.markers().items() if m.digests is not None}
-            verifier = Verifier(recorded, self.writer.chunk_size, self.source, str(self.out))
+            _say(self.progress, f"resuming {self.out}: {len(done)} of {store.num_chunks or '?'} chunks already written")
+            recorded = {c: m.digests for c, m in store.markers().items() if m.digests is not None}
+            verifier = Verifier(recorded, store.chunk_size, self.source, str(self.out))
             if self.source.indexed:  # a stream is checked as it is read again
                 procs.share(verifier.check_all)
         end = procs.together(lambda: self._batches(done, verifier))
-        procs.share(lambda: self.writer.finish(self.source.num_samples or end))
+        procs.share(lambda: store.finish(self.source.num_samples or end))
 
     def _open(self) -> None:
         if self.writer is not None:
@@ -611,6 +619,7 @@ class _Run:
     def _probe(self) -> Computed:
         """The features of the first two readable samples: the store's shapes, before the real run."""
         n = self.source.num_samples
+        assert n is not None  # several processes share indexed data only, whose length is known
         failed: list[Failure] = []
         for shard in (np.arange(min(2, n)), np.arange(min(2, n), n)):
             for batch in self.source.batches(shard):
@@ -648,7 +657,7 @@ class _Run:
         for batch in self.source.batches(shard):
             self.end = max(self.end, *(int(i) + 1 for i in batch.index[-1:]), *(f.index + 1 for f in batch.failed))
             if done and shard is None:
-                written = np.isin(batch.index // self.writer.chunk_size, done)
+                written = np.isin(batch.index // self.store.chunk_size, done)
                 if verifier is not None and written.any():
                     old = batch.take(np.flatnonzero(written))
                     verifier.check(old.index, batch_digests(self.source, old))
@@ -657,10 +666,10 @@ class _Run:
 
     def _batches(self, done: list[int], verifier: Verifier | None) -> int:
         """Run the batches of this process's chunks into the store; where the data ended."""
-        shard = _plan(self.writer, done, self.procs.rank, self.procs.world)
+        shard = _plan(self.store, done, self.procs.rank, self.procs.world)
         reader = self.reader or self._read(shard, done, verifier)
         bar = _progress(self.progress, len(shard) if shard is not None else self.source.num_samples)
-        sink: _Sink | None = _Sink(self.writer)
+        sink = _Sink(self.store)
         try:
             for batch, leaves in reader:
                 arrays = {array_key(*k): t for k, t in leaves.items()}
@@ -671,13 +680,12 @@ class _Run:
                     sink.put(batch, arrays, digests, failed_digests(self.source, batch.failed))
                 if bar is not None:
                     bar.update(len(batch) + len(batch.failed))
-            sink.close(self.end)
-            sink = None
         except BaseException:
-            if sink is not None:
-                with contextlib.suppress(BaseException):
-                    sink.close(None)  # keep every whole chunk done so far
+            with contextlib.suppress(BaseException):
+                sink.close(None)  # keep every whole chunk done so far
             raise
+        else:
+            sink.close(self.end)
         finally:
             self.read_first.clear()
             if bar is not None:
@@ -685,7 +693,7 @@ class _Run:
         return self.end
 
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
-        for spec in self.writer.specs:
+        for spec in self.store.specs:
             t = arrays.get(spec.key)
             if t is None or tuple(t.shape[1:]) != spec.shape or _numpy_dtype(t.dtype) != spec.dtype:
                 got = "nothing" if t is None else f"{list(t.shape[1:])} {_numpy_dtype(t.dtype)}"

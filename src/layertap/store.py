@@ -82,8 +82,9 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 def location(path: str | os.PathLike) -> Location:
-    """``path`` as the stores take it: a URL stays a string (a `Path` would fold its ``//``)."""
-    return path if is_url(path) else Path(path)
+    """``path`` as the stores take it: a URL stays a string (a `Path` would fold its ``//``), and
+    only a URL is a string."""
+    return str(path) if is_url(path) else Path(path)
 
 
 def url_fs(url: str) -> tuple[Any, str]:
@@ -97,7 +98,7 @@ def url_fs(url: str) -> tuple[Any, str]:
 
 def occupied(path: Location) -> bool:
     """Whether something (a file, or a folder holding more than a store lock) is at ``path``."""
-    if is_url(path):
+    if isinstance(path, str):
         fs, inner = url_fs(path)
         return fs.exists(inner) and (fs.isfile(inner) or any(not str(p).endswith(LOCK) for p in fs.ls(inner, detail=False)))
     return path.is_symlink() or (path.exists() and not (path.is_dir() and all(p.name == LOCK for p in path.iterdir())))
@@ -164,7 +165,7 @@ def format_for(path: str | Path, format: str | None) -> str:
 
 def detect_format(path: str | Path) -> str | None:
     """The format of the layertap store at ``path``, or ``None`` if there is none."""
-    if is_url(path):  # an object store holds Zarr only
+    if isinstance(path, str) and is_url(path):  # an object store holds Zarr only
         fs, inner = url_fs(path)
         return "zarr" if fs.exists(f"{inner}/zarr.json") else None
     path = Path(path)
@@ -301,10 +302,41 @@ class _Backend:
 
     format: str
 
+    MARKERS = "_chunks"
+
     def __init__(self, path: Location, mode: str) -> None:  # mode: "r", "r+" or "w"
         self.path, self.mode = path, mode
 
-    # read_meta, write_meta, create, array, write, resize, mark, markers, create_markers: per format
+    def read_meta(self) -> dict | None:
+        raise NotImplementedError
+
+    def write_meta(self, meta: dict) -> None:
+        raise NotImplementedError
+
+    def create(self, name: str, shape: tuple, dtype: Any, chunk: int, fill: Any) -> None:
+        """A new array ``name`` of ``shape``, stored in pieces of ``chunk`` rows."""
+        raise NotImplementedError
+
+    def array(self, name: str) -> Any:
+        """The format's lazy array ``name``; `KeyError` when there is none."""
+        raise NotImplementedError
+
+    def write(self, name: str, start: int, data: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def resize(self, name: str, n: int) -> None:
+        raise NotImplementedError
+
+    def mark(self, chunk: int, text: str) -> None:
+        """Record ``chunk`` as complete, with its marker's text."""
+        raise NotImplementedError
+
+    def markers(self) -> dict[int, str]:
+        """The markers of the complete chunks; `KeyError` when the store has no markers."""
+        raise NotImplementedError
+
+    def create_markers(self, n: int, chunk_size: int) -> None:
+        raise NotImplementedError
 
     def check(self) -> None:
         """Refuse a store whose files or arrays lead outside it or hold code (per format)."""
@@ -318,7 +350,6 @@ class _Backend:
 
 class _ZarrBackend(_Backend):
     format = "zarr"
-    MARKERS = "_chunks"
 
     def __init__(self, path: Location, mode: str) -> None:  # a URL opens through fsspec
         super().__init__(path, mode)
@@ -413,7 +444,7 @@ def _fsync(path: Path) -> None:
 
 class _HDF5Backend(_Backend):
     format = "hdf5"
-    MARKERS = "_chunks"
+    path: Path
 
     def __init__(self, path: Path, mode: str) -> None:
         super().__init__(path, mode)
@@ -516,8 +547,8 @@ class _NpyBackend(_Backend):
     """A folder of ``.npy`` files, written in place with ``pwrite`` and read as memory maps."""
 
     format = "npy"
+    path: Path
     META = "layertap.json"
-    MARKERS = "_chunks"
 
     def __init__(self, path: Path, mode: str) -> None:
         super().__init__(path, mode)
@@ -577,7 +608,7 @@ class _NpyBackend(_Backend):
                 offset = f.tell()
             self._files[name] = (fd, offset, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
         fd, offset, row = self._files[name]
-        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
         at = offset + start * row
         while view:  # pwrite may write less than asked (at most 2 GB a call on Linux)
             written = os.pwrite(fd, view, at)
@@ -897,9 +928,9 @@ def open_or_create(
     """
     out = location(out)
     fmt = format_for(out, format)
-    if not is_url(out) and occupied(out) and detect_format(out) is None:
+    if isinstance(out, Path) and occupied(out) and detect_format(out) is None:
         raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
-    made = not is_url(out) and not out.exists()  # a folder made for the lock goes again on failure
+    made = isinstance(out, Path) and not out.exists()  # a folder made for the lock goes again on failure
     lock = StoreLock(out, fmt).acquire()
     try:
         writer = _resume_or_refuse(out, format, meta["settings"], resume, overwrite)
@@ -909,7 +940,7 @@ def open_or_create(
         return writer
     except BaseException:
         lock.release()
-        if made and out.is_dir():
+        if made and isinstance(out, Path) and out.is_dir():
             with contextlib.suppress(OSError):
                 out.rmdir()  # only if nothing was written
         raise
@@ -1170,7 +1201,7 @@ def remove_store(path: str | Path) -> None:
             backend.close()
     if not isinstance(meta, dict) or "layertap_store" not in meta:
         raise StoreError(f"{path} exists and is not a layertap feature store: choose another output path")
-    if is_url(path):
+    if isinstance(path, str):
         fs, inner = url_fs(path)
         for entry in fs.ls(inner, detail=False):
             if not str(entry).endswith(LOCK):
