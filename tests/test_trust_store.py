@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -542,3 +543,88 @@ def test_overwrite_replaces_a_store_and_never_anything_else(tmp_path):
     with pytest.raises(StoreError, match="is not a layertap feature store"):
         extract(mine, "zarr", overwrite=True)
     assert (mine / "thesis.tex").read_text() == "years of work" and sorted(os.listdir(mine)) == ["thesis.tex"]
+
+
+# ------------------------------------------------------- found by an outside tester, each a test
+@pytest.mark.parametrize("format", ["zarr", "hdf5"])
+def test_a_lock_file_that_is_a_symlink_is_never_written_through(tmp_path, format):
+    out = tmp_path / FORMATS[format]
+    extract(out, format).close()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    lock = out / ".layertap.lock" if format == "zarr" else tmp_path / f".{out.name}.layertap.lock"
+    lock.symlink_to(victim)
+    with pytest.raises(StoreError, match="lock") as e:
+        extract(out, format)
+    assert one_line(e.value) and victim.read_text() == "precious"
+
+
+def test_a_zarr_store_missing_a_chunk_file_is_not_read_as_fill_values(tmp_path):
+    out = tmp_path / "s.zarr"
+    extract(out, "zarr").close()
+    shutil.rmtree(out / "features" / "1" / "c" / "1")  # lost in a partial copy
+    with pytest.raises(StoreError, match="stored pieces .* of its array 'features/1' are missing"):
+        layertap.open_features(out)
+
+
+def test_a_complete_store_missing_a_marker_is_refused(tmp_path):
+    out = tmp_path / "s"
+    extract(out, "npy").close()
+    (out / "_chunks" / "000000001.json").unlink()
+    with pytest.raises(StoreError, match="says it is complete, but 1 of its 3 chunks"):
+        layertap.open_features(out)
+
+
+def test_an_npy_array_in_fortran_order_is_refused(tmp_path):
+    out = tmp_path / "s"
+    extract(out, "npy").close()
+    file = out / "features" / "1.npy"
+    np.save(file, np.asfortranarray(np.load(file)))
+    with pytest.raises(StoreError, match="Fortran order"):
+        layertap.open_features(out)
+
+
+def test_a_fifo_in_a_store_is_refused_instead_of_hanging(tmp_path):
+    out = tmp_path / "s"
+    extract(out, "npy").close()
+    os.mkfifo(out / "_chunks" / "000000099.json")
+    with pytest.raises(StoreError, match="neither a file nor a folder"):
+        layertap.open_features(out)
+
+
+def test_a_zarr_marker_array_of_a_million_slots_is_refused_at_once(tmp_path):
+    import zarr
+
+    out = tmp_path / "s.zarr"
+    extract(out, "zarr").close()
+    zarr.open_group(str(out), mode="r+")["_chunks"].resize((10**6,))
+    started = time.perf_counter()
+    with pytest.raises(StoreError, match="1000000 chunk markers for 3 chunks"):
+        layertap.open_features(out)
+    assert time.perf_counter() - started < 10  # refused from the shape, not after reading it
+
+
+@pytest.mark.parametrize(
+    "marker",
+    ['{"failed": [[Infinity, 0, "x"]], "process": 0, "digests": null}', '{"failed": [[true, 0, "x"]], "process": 0}', "\udcff", "[" * 100000],
+)
+def test_junk_markers_are_refused_in_one_line(tmp_path, marker):
+    out = tmp_path / "s"
+    extract(out, "npy").close()
+    (out / "_chunks" / "000000000.json").write_bytes(marker.encode(errors="surrogateescape"))
+    with pytest.raises(StoreError, match="marker") as e:
+        layertap.open_features(out)
+    assert one_line(e.value)
+
+
+def test_a_marker_without_digests_cannot_skip_the_content_check(tmp_path):
+    out = tmp_path / "s"
+    extract(out, "npy").close()
+    meta = read_meta(out, "npy")
+    meta["complete"] = False
+    write_meta(out, "npy", meta)
+    (out / "_chunks" / "000000002.json").unlink()
+    marker = out / "_chunks" / "000000000.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "digests": None}))
+    with pytest.raises(StoreError, match="chunk 0 has no digests"):
+        extract(out, "npy", dataset=data(seed=5))  # other data: it must not slip through chunk 0

@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -189,20 +190,27 @@ def _bad(path: Location, what: str) -> StoreError:
 
 def _check_inside(root: Path, path: Path, entry: str) -> Path:
     """``path`` if it resolves (symlinks followed) inside ``root``; else refused, naming ``entry``."""
-    real, top = path.resolve(), root.resolve()
+    try:
+        real, top = path.resolve(), root.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop
+        raise _bad(root, f"its entry {entry!r} cannot be resolved ({_one_line(e)})") from e
     if real != top and top not in real.parents:
         raise _bad(root, f"its entry {entry!r} leads outside the store (to {real})")
     return path
 
 
 def _check_no_links_out(root: Path) -> None:
-    """Refuse a store folder holding a symlink that leads outside it: Zarr would follow it."""
+    """Refuse a store folder holding a symlink that leads outside it (Zarr would follow it), or
+    anything but files and folders (reading a FIFO or a device would hang or never end)."""
     top = root.resolve()
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             entry = Path(folder, name)
+            where = str(entry.relative_to(root))
             if entry.is_symlink():
-                _check_inside(top, entry, str(entry.relative_to(root)))
+                _check_inside(top, entry, where)
+            if not (entry.is_file() or entry.is_dir()):
+                raise _bad(root, f"its entry {where!r} is neither a file nor a folder")
 
 
 def _is_numeric(dtype: Any) -> bool:
@@ -220,8 +228,7 @@ def _check_meta(meta: Any, path: Location, format: str) -> dict:
         if not ok:
             raise _bad(path, f"its metadata field {field!r} is " + ("missing" if expected == "there" else f"not {expected}"))
 
-    def count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    count = _is_count
 
     need(isinstance(meta, dict), "layertap", "a JSON object")
     for key in ("layertap_store", "format", "complete", "ready", "num_samples", "chunk_size", "ids", "labels", "arrays", "layers"):
@@ -238,7 +245,10 @@ def _check_meta(meta: Any, path: Location, format: str) -> dict:
         need(meta.get(field) is None or isinstance(meta[field], str), field, "a string")
     classes = meta.get("classes")
     need(classes is None or (isinstance(classes, list) and all(isinstance(c, str) for c in classes)), "classes", "a list of strings")
-    need(meta.get("settings") is None or isinstance(meta["settings"], dict), "settings", "an object")
+    settings = meta.get("settings")
+    need(settings is None or isinstance(settings, dict), "settings", "an object")
+    if isinstance(settings, dict) and settings.get("num_samples") is not None:
+        need(meta["num_samples"] == settings["num_samples"], "num_samples", "the number of samples its settings name")
     arrays = meta.get("arrays")
     need(isinstance(arrays, list) and len(arrays) > 0, "arrays", "a non-empty list")
     keys, paths = set(), set()
@@ -280,16 +290,22 @@ def _parse_marker(text: str, chunk: int, rows: tuple[int, int], path: Location) 
     start, end = rows
     try:
         value = json.loads(text)
-        failed = [Failure(int(i), d, str(e)) for i, d, e in value["failed"]]
-        process = int(value["process"])
+        failed = [Failure(i, d, e) for i, d, e in value["failed"]]
+        process = value["process"]
         digests = value.get("digests")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise _bad(path, f"the marker of chunk {chunk} cannot be read ({type(e).__name__})") from e
-    if any(not start <= f.index < end or not isinstance(f.id, (int, str)) for f in failed):
+    if not _is_count(process) or any(not (_is_count(f.index) and isinstance(f.id, (int, str)) and isinstance(f.error, str)) for f in failed):
+        raise _bad(path, f"the marker of chunk {chunk} has entries of the wrong type")
+    if any(not start <= f.index < end for f in failed):
         raise _bad(path, f"the marker of chunk {chunk} lists failed samples outside it")
-    if digests is not None and not (isinstance(digests, list) and all(isinstance(d, str) for d in digests)):
-        raise _bad(path, f"the marker of chunk {chunk} has digests that are not strings")
+    if digests is not None and not (isinstance(digests, list) and len(digests) == end - start and all(isinstance(d, str) for d in digests)):
+        raise _bad(path, f"the marker of chunk {chunk} does not hold a digest (a string) for each of its {end - start} samples")
     return Marker(failed, process, digests)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # ------------------------------------------------------------------------------- backends
@@ -338,6 +354,11 @@ class _Backend:
     def create_markers(self, n: int, chunk_size: int) -> None:
         raise NotImplementedError
 
+    def pieces(self, name: str) -> tuple[int, set[int]] | None:
+        """Samples per stored piece of array ``name`` and which pieces exist, where a format keeps
+        them apart (Zarr's chunk files); ``None`` where every row always has its storage."""
+        return None
+
     def check(self) -> None:
         """Refuse a store whose files or arrays lead outside it or hold code (per format)."""
 
@@ -377,7 +398,10 @@ class _ZarrBackend(_Backend):
         codecs = dict(compressors=self.zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"))
         if dtype is str:
             codecs = {}  # variable-length strings have their own codec
-        self._arrays[name] = group.create_array(leaf, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype, fill_value=fill, **codecs)
+        # every chunk is written, even one of fill values only: a missing file then means a damaged store
+        self._arrays[name] = group.create_array(
+            leaf, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype, fill_value=fill, config={"write_empty_chunks": True}, **codecs
+        )
 
     def array(self, name: str) -> Any:
         if name not in self._arrays:
@@ -392,6 +416,8 @@ class _ZarrBackend(_Backend):
             codecs = {c.get("name") if isinstance(c, dict) else c for c in array.metadata.to_dict().get("codecs", [])}
             if not codecs <= _ZARR_CODECS:
                 raise _bad(self.path, f"array {name!r} uses codecs {sorted(map(str, codecs - _ZARR_CODECS))}, not plain data ones")
+            if array.ndim < 1 or tuple(array.chunks[1:]) != tuple(array.shape[1:]) or array.chunks[0] < 1:
+                raise _bad(self.path, f"array {name!r} is chunked {list(array.chunks)}, not in whole samples")
             self._arrays[name] = array
         return self._arrays[name]
 
@@ -419,6 +445,14 @@ class _ZarrBackend(_Backend):
     def create_markers(self, n: int, chunk_size: int) -> None:
         # one object per marker: writers of different chunks never touch the same object
         self._arrays[self.MARKERS] = self.root.create_array(self.MARKERS, shape=(n,), chunks=(1,), dtype=str, fill_value="")
+
+    def pieces(self, name: str) -> tuple[int, set[int]] | None:
+        """Samples per stored piece of ``name`` and the pieces that exist (local stores only)."""
+        if is_url(self.path):
+            return None
+        folder = Path(self.path) / name / "c"
+        present = {int(p) for p in os.listdir(folder) if p.isdigit()} if folder.is_dir() else set()
+        return self.array(name).chunks[0], present
 
     def sync(self) -> None:
         # Zarr writes each chunk as a file of its own (atomically, by rename): sync those files
@@ -499,7 +533,12 @@ class _HDF5Backend(_Backend):
     def array(self, name: str) -> Any:
         if name not in self.file:
             raise KeyError(name)
-        return self.file[name]
+        found = self.file[name]
+        if not isinstance(found, self.h5py.Dataset):
+            raise _bad(self.path, f"{name!r} is a group, not an array")
+        if found.chunks is not None and found.id.get_storage_size() < found.size * found.dtype.itemsize and found.dtype.kind != "O":
+            raise _bad(self.path, f"array {name!r} has no storage for all its rows (a layertap HDF5 store allocates it all)")
+        return found
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
         self.file[name][start : start + len(data)] = data
@@ -527,7 +566,12 @@ class _HDF5Backend(_Backend):
             values = markers.asstr()[:]
             return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
         done = self.file[self.DONE]
-        return {int(c): markers[c].tobytes().rstrip(b"\0").decode() for c in np.flatnonzero(done[:])}
+        if markers.ndim != 2 or done.shape != markers.shape[:1]:
+            raise _bad(self.path, "its chunk markers and their flags do not agree")
+        try:
+            return {int(c): markers[c].tobytes().rstrip(b"\0").decode() for c in np.flatnonzero(done[:])}
+        except UnicodeDecodeError as e:
+            raise _bad(self.path, f"a chunk marker is not text ({_one_line(e)})") from e
 
     def create_markers(self, n: int, chunk_size: int) -> None:
         width = MARKER_BYTES_PER_SAMPLE * chunk_size + 4096
@@ -595,9 +639,12 @@ class _NpyBackend(_Backend):
             if not file.is_file():
                 raise KeyError(name)
             try:
-                self._maps[name] = np.load(file, mmap_mode="r", allow_pickle=False)
-            except ValueError as e:  # object arrays (pickles), bad headers
-                raise _bad(self.path, f"{file.name} is not a plain NumPy array ({e})") from e
+                found = np.load(file, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as e:  # object arrays (pickles), bad headers, files too short
+                raise _bad(self.path, f"{file.name} is not a plain NumPy array ({_one_line(e)})") from e
+            if found.ndim > 1 and not found.flags.c_contiguous:  # rows are written in C order
+                raise _bad(self.path, f"{file.name} is stored in Fortran order, not row by row")
+            self._maps[name] = found
         return self._maps[name]
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
@@ -627,7 +674,10 @@ class _NpyBackend(_Backend):
         if not folder.is_dir():
             return {}
         files = [p for p in folder.glob("*.json") if p.stem.isdigit()]
-        return {int(p.stem): _check_inside(self.path, p, f"{self.MARKERS}/{p.name}").read_text() for p in files}
+        try:
+            return {int(p.stem): _check_inside(self.path, p, f"{self.MARKERS}/{p.name}").read_text() for p in files}
+        except (UnicodeDecodeError, OSError) as e:
+            raise _bad(self.path, f"a chunk marker cannot be read ({_one_line(e)})") from e
 
     def create_markers(self, n: int, chunk_size: int) -> None:
         (self.path / self.MARKERS).mkdir(exist_ok=True)
@@ -730,10 +780,32 @@ def _check_arrays(backend: _Backend, meta: dict) -> None:
         array = get(name)
         if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
             raise _bad(path, f"its array {name!r} is {list(array.shape)} {array.dtype}, its metadata says {list(shape)} {dtype}")
+    chunk = meta["chunk_size"]
+    chunks = -(-rows // chunk)
+    if not isinstance(backend, _NpyBackend):  # one marker slot per chunk, read whole below
+        slots = get(backend.MARKERS).shape[0]
+        if slots > chunks or (meta["num_samples"] is not None and slots != chunks):
+            raise _bad(path, f"it has {slots} chunk markers for {chunks} chunks")
     try:
-        backend.markers()
+        done = sorted(backend.markers())
     except KeyError:
         raise _bad(path, "its chunk markers are missing") from None
+    if meta["num_samples"] is not None and (done[-1:] and done[-1] >= chunks):
+        raise _bad(path, f"it marks chunk {done[-1]} written, of {chunks}")
+    if meta["complete"] and len(done) != chunks:
+        raise _bad(path, f"it says it is complete, but {chunks - len(done)} of its {chunks} chunks are not marked written")
+    # every written row has its storage: a chunk file lost in a copy is not read as fill values
+    # (stores of version 1 did not write chunks of fill values only)
+    for name, _, _ in expected + [("ids", None, None)] if meta["layertap_store"] >= 2 else []:
+        found = backend.pieces(name)
+        if found is None:
+            continue
+        size, present = found
+        needed = range(-(-rows // size)) if name == "ids" else (
+            p for c in done for p in range(c * chunk // size, -(-min(rows, (c + 1) * chunk) // size))
+        )
+        if missing := sorted(set(needed) - present)[:3]:
+            raise _bad(path, f"the stored pieces {missing} of its array {name!r} are missing (a partial copy?)")
 
 
 # ------------------------------------------------------------------------------------ locking
@@ -790,7 +862,13 @@ class StoreLock:
 
         file.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a symlink: it could point at any file, which the owner line would overwrite
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+            except OSError as e:
+                raise StoreError(f"cannot use {file} as the lock of {self.path} ({_one_line(e)}): remove it (a lock is a plain file)") from e
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise StoreError(f"{file}, the lock of {self.path}, is not a plain file: remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -824,10 +902,12 @@ class StoreLock:
     def _stale(self, text: str) -> bool:
         try:
             lease = json.loads(text)
-            if float(lease["expires"]) < time.time():
+            expires, now = float(lease["expires"]), time.time()
+            # expired, or not a time a holder renewing every minute could have written (NaN, far ahead)
+            if not now <= expires <= now + 2 * self.LEASE:
                 return True
             return lease["host"] == self.owner["host"] and not _alive(int(lease["pid"]))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             return True  # not a lease this code wrote
 
     def renew(self, force: bool = False) -> None:
@@ -854,7 +934,7 @@ class StoreLock:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
@@ -1105,8 +1185,11 @@ class StoreWriter:
         return set(self.backend.markers())
 
     def markers(self) -> dict[int, Marker]:
-        """The complete chunks' markers, checked."""
-        return {c: _parse_marker(text, c, self.chunk_range(c), self.backend.path) for c, text in self.backend.markers().items()}
+        """The complete chunks' markers, checked: since version 2 each holds its samples' digests."""
+        markers = {c: _parse_marker(text, c, self.chunk_range(c), self.backend.path) for c, text in self.backend.markers().items()}
+        if self.meta["layertap_store"] >= 2 and (lacking := [c for c, m in markers.items() if m.digests is None]):
+            raise _bad(self.backend.path, f"the marker of chunk {lacking[0]} has no digests of its samples")
+        return markers
 
     def write_chunk(
         self,
@@ -1277,7 +1360,10 @@ class FeatureStore(Mapping[str, Any]):
         ids = self._backend.array("ids")
         if self.meta["ids"] != "path":
             return np.asarray(ids[:], dtype=np.int64)
-        values = ids.asstr()[:] if self.format == "hdf5" else ids[:]
+        try:
+            values = ids.asstr()[:] if self.format == "hdf5" else ids[:]
+        except UnicodeDecodeError as e:
+            raise _bad(self.path, "its ids are not text") from e
         return np.array(values.tolist(), dtype=str)  # Zarr gives NumPy's variable-width StringDType
 
     @property
