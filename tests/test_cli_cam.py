@@ -108,3 +108,35 @@ def test_safe_names_never_leave_the_folder():
     assert names == ["etc__passwd", "abs__x", "a__b", "hidden", "A", "a-2", "x"]
     for name in names:
         assert "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def test_long_names_are_shortened_and_a_failure_leaves_nothing(tmp_path, capsys):
+    images = tmp_path / "images"
+    long_class = "c" * 250  # a legal folder name; with "__001.png" no longer a legal file name
+    pixels = np.random.default_rng(1).integers(0, 255, (40, 50, 3), dtype=np.uint8)
+    for folder in ("short", long_class):
+        (images / folder).mkdir(parents=True)
+        Image.fromarray(pixels).save(images / folder / "001.png")
+    out = tmp_path / "out"
+    assert run(["cam", "layertap:shapes", str(images), "--out", str(out), "--batch-size", "1"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    stem = safe_names([f"{long_class}/001.png"])[0]
+    assert names == sorted([f"{stem}.npy", f"{stem}.png", "short__001.npy", "short__001.png"])
+    assert len(stem) == 200 and stem.startswith("c" * 150)
+    assert f"{long_class}/001.png: " in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "out"]  # no staging folder left
+
+    # an image that fails after others were drawn: no file of this run is written
+    (images / "zz").mkdir()
+    (images / "zz" / "bad.png").write_bytes(b"not a png")
+    again = tmp_path / "again"
+    assert run(["cam", "layertap:shapes", str(images), "--out", str(again), "--batch-size", "1"]) == 1
+    assert "cannot read image" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images", "out"]
+
+
+def test_safe_names_are_cut_with_a_hash():
+    ids = ["d" * 300 + "/a.png", "d" * 300 + "/b.png"]
+    names = safe_names(ids)
+    assert all(len(n) == 200 for n in names) and names[0] != names[1]
+    assert names == safe_names(ids)  # deterministic: the same files get the same names on a rerun

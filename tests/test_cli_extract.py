@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import layertap
 from layertap.cli import run
@@ -99,3 +100,28 @@ def test_an_unknown_layer_fails_in_one_line_before_writing(setup, tmp_path, caps
 def test_help_shows_a_runnable_example():
     done = subprocess.run([sys.executable, "-m", "layertap", "extract", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Example: layertap extract" in done.stdout
+
+
+def test_labels_count_only_the_classes_of_readable_samples(setup, tmp_path, capsys):
+    _, weights, _, _ = setup
+    folder = tmp_path / "images"
+    for name, images in zip(["a", "b", "c"], np.split(generate(6, seed=3).images, 3)):
+        (folder / name).mkdir(parents=True)
+        for i, pixels in enumerate(images):
+            Image.fromarray(pixels).save(folder / name / f"{i}.png")
+    (folder / "a" / "0.png").write_bytes(b"not a png")
+    assert run(command(weights, folder, tmp_path / "f.zarr", "--on-error", "skip")) == 0
+    assert "labels: 3 classes" in capsys.readouterr().out  # was 4: the -1 of the failed sample counted
+    with layertap.open_features(tmp_path / "f.zarr") as store:
+        assert store.labels[~store.valid].tolist() == [-1]
+
+
+def test_torchscript_is_refused_before_a_store_is_made(tmp_path, capsys):
+    path = tmp_path / "scripted.pt"
+    torch.jit.trace(ShapesCNN().eval(), torch.randn(1, 3, 64, 64)).save(str(path))
+    data = tmp_path / "x.npy"
+    np.save(data, np.zeros((2, 3, 64, 64), dtype=np.float32))
+    assert run(["extract", str(path), str(data), "--layers", "pool", "--out", str(tmp_path / "f.zarr")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"layertap: error: {path} is a TorchScript archive, which layertap cannot tap") and err.count("\n") == 1
+    assert not (tmp_path / "f.zarr").exists()

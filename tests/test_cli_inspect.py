@@ -147,3 +147,12 @@ def test_default_model_is_the_bundled_one(capsys):
     assert run(["inspect", "--depth", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Layer") and "ShapesCNN" in out and "features" in out
+
+
+def test_torchscript_is_refused_in_one_line_naming_what_to_load(capsys, tmp_path):
+    path = tmp_path / "traced.pt"
+    torch.jit.trace(torchvision.models.squeezenet1_1().eval(), torch.randn(1, 3, 64, 64)).save(str(path))
+    assert run(["inspect", str(path)]) == 1  # was: "register_forward_pre_hook is not supported on ScriptModules"
+    err = capsys.readouterr().err
+    assert err.startswith(f"layertap: error: {path} is a TorchScript archive, which layertap cannot tap") and err.count("\n") == 1
+    assert "--arch SPEC" in err and "package.module:factory" in err

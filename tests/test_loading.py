@@ -1,9 +1,11 @@
 """layertap.load_model and model_info: every spec kind, offline, with the safe-loading rules."""
 
+import io
 import math
 import os
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,9 @@ def factories(tmp_path, monkeypatch):
 
             def not_a_model():
                 return {"weights": torch.zeros(2)}
+
+            def scripted():
+                return torch.jit.trace(mlp(), torch.randn(1, 6))
 
             class Wide(nn.Module):
                 input_size = (3, 32, 32)
@@ -212,16 +217,80 @@ def test_hf_vision_model_from_a_local_folder(tmp_path):
 
 
 # ---------------------------------------------------------------------------- files
-def test_torchscript_archive(tmp_path, factories):
+def _rewritten(archive: Path, member: str, edit) -> bytes:
+    """The bytes of zip ``archive`` with the member ending in ``member`` edited, the zip itself intact."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(archive) as src, zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as dst:
+        for entry in src.infolist():
+            data = src.read(entry.filename)
+            dst.writestr(entry, edit(data) if entry.filename.endswith(member) else data)
+    return buffer.getvalue()
+
+
+def test_torchscript_is_refused_at_load_with_the_way_out(tmp_path, factories, monkeypatch):
     original = load_model(f"{factories}:mlp")
     path = tmp_path / "traced.pt"
     torch.jit.trace(original, torch.randn(1, 6)).save(str(path))
-    loaded = load_model(str(path))
+    for arch in (None, f"{factories}:mlp"):
+        with pytest.raises(ModelLoadError, match="is a TorchScript archive, which layertap cannot tap") as info:
+            load_model(str(path), arch=arch)
+        assert "--arch SPEC" in str(info.value) and "package.module:factory" in str(info.value)
+    # the way out it gives: the archive's state dict has the names of the original module
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.jit.load(str(path)).state_dict(), weights)
     x = torch.randn(3, 6)
-    assert isinstance(loaded, torch.jit.ScriptModule)
-    assert torch.equal(loaded(x), original(x)) and model_info(loaded).spec == str(path)
-    with pytest.raises(ModelLoadError, match="TorchScript archive.*drop --arch"):
+    assert torch.equal(load_model(str(weights), arch=f"{factories}:mlp")(x), original(x))
+    # refused by its file names, so a damaged archive is never compiled (PyTorch's INTERNAL ASSERT)
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(_rewritten(path, "/code/__torch__/my_models.py", lambda code: code.replace(b"def", b"xyz")))
+    monkeypatch.setattr(torch.jit, "load", None)  # never called
+    with pytest.raises(ModelLoadError, match="is a TorchScript archive"):
+        load_model(str(broken))
+    # nor from a factory: a ScriptModule takes no hooks, wherever it comes from
+    with pytest.raises(ModelLoadError, match=f"{factories}:scripted gives a TorchScript module.*before torch.jit"):
+        load_model(f"{factories}:scripted")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda saved: b"", "is empty (0 bytes)"),
+        (lambda saved: bytes(np.random.default_rng(0).integers(0, 256, 2000, dtype=np.uint8)), "is not a file written by torch.save"),
+        (lambda saved: b"hello, a text file\n", "is not a file written by torch.save"),
+        (lambda saved: saved.read_bytes()[:-300], "is damaged: it begins as a zip archive but its index"),
+        (lambda saved: saved.with_suffix(".legacy").read_bytes()[:-100], "is damaged: torch.load cannot read it ("),
+    ],
+    ids=["empty", "random", "text", "truncated", "truncated-legacy"],
+)
+def test_a_damaged_file_is_called_damaged_not_untrusted(tmp_path, damage, message):
+    model = nn.Linear(4, 3)
+    saved = tmp_path / "saved.pt"
+    torch.save(model.state_dict(), saved)
+    torch.save(model.state_dict(), saved.with_suffix(".legacy"), _use_new_zipfile_serialization=False)
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(damage(saved))
+    for trust in (False, True):  # with --trust too: it is not about trust
+        with pytest.raises(ModelLoadError) as info:
+            load_model(str(path), arch="torch.nn:Linear", trust=trust)
+        text = str(info.value)
+        assert text.startswith(f"{path} ") and message in text and "--trust" not in text and "\n" not in text
+
+
+def test_a_pickle_weights_only_cannot_read_names_both_causes(tmp_path, factories):
+    original = load_model(f"{factories}:mlp")
+    path = tmp_path / "weights.pt"
+    torch.save(original.state_dict(), path, pickle_protocol=4)  # genuine, but weights_only reads protocols <= 3
+    with pytest.raises(ModelLoadError, match=r"cannot read \(Unsupported operand 149\): the file is damaged.*--trust"):
         load_model(str(path), arch=f"{factories}:mlp")
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(_rewritten(path, "/data.pkl", lambda pickled: pickled[:2] + bytes(range(200, 256))))
+    with pytest.raises(ModelLoadError, match="cannot read .*: the file is damaged"):
+        load_model(str(broken), arch=f"{factories}:mlp")
+    # trusted, the genuine file loads and the broken one is called damaged
+    x = torch.randn(2, 6)
+    assert torch.equal(load_model(str(path), arch=f"{factories}:mlp", trust=True)(x), original(x))
+    with pytest.raises(ModelLoadError, match=f"{broken} is damaged: torch.load cannot read it"):
+        load_model(str(broken), arch=f"{factories}:mlp", trust=True)
 
 
 def test_state_dict_needs_its_architecture(tmp_path, factories):

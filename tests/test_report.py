@@ -183,7 +183,7 @@ def test_report_of_a_torchvision_store(torchvision_page):
 
 def test_the_model_that_wrote_a_store_explains_it(torchvision_store):
     path, model = torchvision_store
-    page = build_report(path, path.with_name("same.html"), model=model, cam_layer="layer4", heatmaps=4).read_text()
+    page = build_report(path, path.with_name("same.html"), model=model, cam_layer="layer4", heatmaps=4, trust_store=True).read_text()
     found = sections(page)
     assert "Not shown" not in page
     assert "GradCAM at <code>layer4</code>" in found["Heatmaps"] and found["Heatmaps"].count("<figure") == 4
@@ -199,7 +199,7 @@ def test_missing_images_and_unreadable_samples(shapes, tmp_path):
     (folder / "circle" / "broken.png").write_bytes(b"not a png")
     model = layertap.load_model("layertap:shapes")
     layertap.extract_dataset(model, folder, ["classifier"], tmp_path / "f.zarr", on_error="skip", progress=False, num_workers=0)
-    page = build_report(tmp_path / "f.zarr", tmp_path / "b.html", model=model).read_text()
+    page = build_report(tmp_path / "f.zarr", tmp_path / "b.html", model=model, images=folder).read_text()
     good = len(list(folder.glob("circle/0*.png")))
     assert f"{good + 1:,}, of which 1 could not be read" in page
     assert "broken.png" not in sections(page)["Heatmaps"] and "Not shown" not in page

@@ -132,7 +132,7 @@ def test_os_abort_named_by_a_store_does_not_kill_the_report(base, tmp_path):
 def test_consent_loads_the_recorded_model_and_names_it_first(base, tmp_path, marker_module, capsys):
     spec, marker = marker_module
     store = crafted(base, tmp_path, model=spec)
-    page = build_report(store, tmp_path / "page.html", trust_store_model=True).read_text()
+    page = build_report(store, tmp_path / "page.html", trust_store=True).read_text()
     assert marker.read_text() == "ran"
     assert capsys.readouterr().err == f"layertap: loading the model the store records (trusted): {spec!r}\n"
     found = sections(page)
@@ -163,7 +163,7 @@ def test_a_hugging_face_spec_in_a_store_needs_consent(base, tmp_path):
     store = crafted(base, tmp_path, model=f"hf:{folder}")
     page = sections(build_report(store, tmp_path / "page.html").read_text())
     assert f"--trust to load &#x27;hf:{folder}&#x27;" in page["Layers of the model"]
-    trusted = sections(build_report(store, tmp_path / "trusted.html", trust_store_model=True).read_text())
+    trusted = sections(build_report(store, tmp_path / "trusted.html", trust_store=True).read_text())
     assert "ViTLayer" in trusted["Layers of the model"]  # loaded, though not the model that wrote the store
     assert "Not shown: the model&#x27;s weights are not those that wrote the store" in trusted["Heatmaps"]
 
@@ -208,16 +208,27 @@ def test_the_cli_refuses_ids_outside_too(base, tmp_path, format):
     store = crafted(base, tmp_path, format, ids=ids[:5] + ["../../secret/private.png", str(secret)] + ids[7:])
     out = tmp_path / "page.html"
     OPENED.clear()
-    assert run(["report", str(store), "--out", str(out), "--model", "layertap:shapes"]) == 0
+    assert run(["report", str(store), "--out", str(out), "--model", "layertap:shapes", "--trust"]) == 0
     heatmaps = sections(out.read_text())["Heatmaps"]
     assert not OPENED and "&#x27;../../secret/private.png&#x27; (and 1 more) leads outside" in heatmaps
+
+
+def test_the_image_folder_a_store_records_is_read_only_with_consent(base, tmp_path):
+    """A crafted store may record someone's private folder as its images: it is not read unless
+    the user names the folder or trusts the store."""
+    private = base / "secret"
+    store = crafted(base, tmp_path, root=str(private), ids=["private.png"] * 12)
+    OPENED.clear()
+    page = build_report(store, tmp_path / "page.html", model="layertap:shapes").read_text()
+    assert not OPENED
+    assert "the store records its images as" in sections(page)["Heatmaps"] and "--trust" in sections(page)["Heatmaps"]
 
 
 def test_the_named_spec_cannot_write_to_the_terminal(base, tmp_path, capsys):
     """The line on stderr quotes the store's text: no newline or escape sequence gets through."""
     spec = "hf:/nowhere\n\x1b[2Jlayertap: all good"
     store = crafted(base, tmp_path, model=spec)
-    page = build_report(store, tmp_path / "page.html", trust_store_model=True).read_text()
+    page = build_report(store, tmp_path / "page.html", trust_store=True).read_text()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "\x1b" not in err and repr(spec) in err
     assert "could not be loaded" in sections(page)["Layers of the model"]

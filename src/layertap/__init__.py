@@ -9,12 +9,15 @@
 
 from .errors import (
     ArgumentError,
+    CorruptImageError,
     DataChangedError,
+    DataError,
     LayerForwardError,
     LayerNotFoundError,
     LayerNotRunError,
     LayertapError,
     MissingExtraError,
+    ModelLoadError,
     RankFailedError,
     StoreError,
     StoreLockedError,
@@ -70,4 +73,7 @@ __all__ = [
     "StoreLockedError",
     "DataChangedError",
     "RankFailedError",
+    "DataError",
+    "CorruptImageError",
+    "ModelLoadError",
 ]

@@ -36,16 +36,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from . import nested
-from .errors import LayertapError
-from .images import CorruptImageError, find_images, load_image, pixel_limit
+from .errors import CorruptImageError, DataError
+from .images import find_images, load_image, pixel_limit
 
 OnError = Literal["fail", "skip"]
 ON_ERROR = ("fail", "skip")
 _LABEL_KEYS = ("label", "labels")
-
-
-class DataError(LayertapError):
-    """The data cannot be read as samples; the message says what was expected."""
 
 
 class Failure(NamedTuple):
@@ -167,9 +163,17 @@ class ImageFiles(Dataset):
 
 
 class ArrayRows(Dataset):
-    """The rows of an array (a ``.npy`` memory map, an ndarray or a tensor) as samples."""
+    """The rows of an array (a ``.npy`` memory map, an ndarray or a tensor) as samples.
 
-    def __init__(self, array: np.ndarray | torch.Tensor) -> None:
+    ``name`` says what the array is in the error about a 0-d array, which has no rows.
+    """
+
+    def __init__(self, array: np.ndarray | torch.Tensor, name: str = "the array") -> None:
+        if array.ndim == 0:
+            raise DataError(
+                f"{name} holds a single value (a 0-d array), not samples: stack the samples along the "
+                "first axis, shape [N, ...]"
+            )
         self.array = array
 
     def __len__(self) -> int:
@@ -338,6 +342,23 @@ class _Stream(DataSource):
                 return
 
 
+def _npy_rows(path: Path) -> ArrayRows:
+    """The rows of a ``.npy`` file, memory-mapped; a file that is not one is a `DataError`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no .npy file at {path}")
+    with path.open("rb") as f:
+        magic = f.read(6)
+    if not magic:
+        raise DataError(f"{path} is empty (0 bytes): it was not saved or copied completely")
+    if magic != b"\x93NUMPY":  # else numpy reads it as a pickle and suggests allow_pickle
+        raise DataError(f"{path} is not a .npy file (it lacks the header numpy.save writes): it is damaged, or in another format")
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (EOFError, ValueError) as e:  # a cut header, an unknown version, Python objects (never unpickled)
+        raise DataError(f"{path} cannot be read as a .npy array: {' '.join(str(e).split())}") from e
+    return ArrayRows(array, str(path))
+
+
 def _default_workers(files: bool) -> int:
     # decoding image files is the slow part of a data pipeline: give it processes
     return min(4, max(1, (os.cpu_count() or 2) - 1)) if files else 0
@@ -406,10 +427,7 @@ def open_data(
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if path.suffix == ".npy":
-            if not path.is_file():
-                raise FileNotFoundError(f"no .npy file at {path}")
-            rows = ArrayRows(np.load(path, mmap_mode="r"))
-            return _Indexed(rows, ids=None, description=f"array {path}", loader_options=options(False), **common)
+            return _Indexed(_npy_rows(path), ids=None, description=f"array {path}", loader_options=options(False), **common)
         images = find_images(path)
         dataset = ImageFiles(images.paths, images.labels, transform, max_image_pixels=max_image_pixels)
         source = _Indexed(
@@ -440,7 +458,8 @@ def open_data(
             )
         return _Stream(data, num_samples=_length(data.dataset), description="DataLoader", limit=limit)
     if isinstance(data, (np.ndarray, torch.Tensor)):
-        return _Indexed(ArrayRows(data), ids=None, description=f"{type(data).__name__} of {len(data)} rows", loader_options=options(False), **common)
+        rows = ArrayRows(data, f"this {type(data).__name__}")
+        return _Indexed(rows, ids=None, description=f"{type(data).__name__} of {len(data)} rows", loader_options=options(False), **common)
     if isinstance(data, IterableDataset):
         loader = DataLoader(data, batch_size=batch_size)  # workers would each read the whole iterable
         return _Stream(loader, num_samples=_length(data), description=type(data).__name__, limit=limit)
@@ -504,7 +523,6 @@ def iter_batches(
 
 __all__ = [
     "Batch",
-    "DataError",
     "DataSource",
     "Failure",
     "ImageFiles",

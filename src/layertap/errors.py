@@ -10,6 +10,8 @@ exception, so ``except KeyError`` or ``except ValueError`` code keeps working:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class LayertapError(Exception):
     """Base class of every error layertap raises on purpose."""
@@ -47,6 +49,29 @@ class LayerForwardError(LayertapError, RuntimeError):
         super().__init__(message)
         self.layer = layer
         self.module_type = module_type
+
+
+class DataError(LayertapError, ValueError):
+    """The data cannot be read as samples; the message says what was expected."""
+
+
+SKIP_HINT = (
+    "Remove or replace the file, or skip bad images (on_error='skip' / --on-error skip) to record it "
+    "in the store's failed list"
+)
+
+
+class CorruptImageError(DataError):
+    """An image file could not be read; ``path`` names it and ``reason`` says why (one line)."""
+
+    def __init__(self, path: Path, reason: str, hint: str = SKIP_HINT) -> None:
+        self.path = path
+        self.reason = " ".join(reason.split()).rstrip(".")  # one line, whatever the decoder said
+        super().__init__(f"cannot read image {path}: {self.reason}. {hint}")
+
+
+class ModelLoadError(LayertapError, ValueError):
+    """A model spec could not be turned into a model; the message says what to change."""
 
 
 class StoreError(LayertapError):

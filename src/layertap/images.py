@@ -26,27 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import LayertapError, require
+from .errors import CorruptImageError, require
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
-SKIP_HINT = (
-    "Remove or replace the file, or skip bad images (on_error='skip' / --on-error skip) to record it "
-    "in the store's failed list"
-)
 LIMIT_HINT = (
     "If the image is genuine, raise the limit (max_image_pixels=N / --max-image-pixels N, 0 for none); "
     "else remove it, or skip bad images (on_error='skip' / --on-error skip)"
 )
-
-
-class CorruptImageError(LayertapError):
-    """An image file could not be read; ``path`` names it and ``reason`` says why (one line)."""
-
-    def __init__(self, path: Path, reason: str, hint: str = SKIP_HINT) -> None:
-        self.path = path
-        self.reason = " ".join(reason.split()).rstrip(".")  # one line, whatever the decoder said
-        super().__init__(f"cannot read image {path}: {self.reason}. {hint}")
 
 
 @dataclass

@@ -8,11 +8,19 @@ Accepted specs:
 - ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub.
   A folder that brings its own Python code (``auto_map`` in its config) is refused unless
   ``trust=True`` (``--trust``), and pickled ``.bin`` weights are read only as plain tensors;
-- ``PATH.pt`` / ``PATH.pth``: a TorchScript archive, or a state dict for ``arch=`` (another
-  spec). Files are read with ``torch.load(weights_only=True)``, which never runs code from the
-  file; a pickled ``nn.Module`` is refused unless ``trust=True`` (``--trust``);
+- ``PATH.pt`` / ``PATH.pth``: a state dict for ``arch=`` (another spec). Files are read with
+  ``torch.load(weights_only=True)``, which never runs code from the file; a pickled ``nn.Module``
+  is refused unless ``trust=True`` (``--trust``);
 - ``package.module:callable``: a factory (or class) called without arguments, or a module object;
 - ``layertap:shapes``: the small CNN bundled with layertap (offline).
+
+TorchScript is refused, from a file (a TorchScript archive is recognised without being loaded)
+or from a factory: a ``ScriptModule`` takes no forward hooks, so none of its layers could be
+tapped. Load the original ``nn.Module`` instead, by its factory or with its state dict and
+``arch=`` (``torch.jit.load(path).state_dict()`` has the original module's names).
+
+A weights download that fails (no network) says where the file comes from and where to put it,
+or to drop the weights for random ones.
 
 Every model is returned in eval mode, with what the spec tells about it (input size,
 preprocessing, class names) recorded for `model_info`. Random weights are drawn from a fixed seed
@@ -35,6 +43,7 @@ import functools
 import importlib
 import pickle
 import re
+import urllib.parse
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -43,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import LayertapError, require
+from .errors import DataError, ModelLoadError, require
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -54,16 +63,14 @@ SPEC_FORMS = (
     "torchvision:NAME[:WEIGHTS] (e.g. torchvision:resnet50, torchvision:resnet50:IMAGENET1K_V2)",
     "timm:NAME[:pretrained] (e.g. timm:convnext_tiny)",
     "hf:PATH_OR_NAME (a Hugging Face model folder or Hub name, e.g. hf:bert-base-uncased)",
-    "PATH.pt / PATH.pth (a TorchScript archive, or a state dict together with --arch SPEC)",
+    "PATH.pt / PATH.pth (a state dict together with --arch SPEC; not TorchScript, which cannot be tapped)",
     "package.module:callable (a factory returning an nn.Module, e.g. mypkg.models:build)",
     "layertap:shapes (the bundled example model)",
 )
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model")  # where trainers nest the weights
-
-
-class ModelLoadError(LayertapError):
-    """A model spec could not be turned into a model; the message says what to change."""
+# how the pickle of torch.save's legacy (pre-zip) format starts: its magic number, as any protocol >= 2 writes it
+_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
 
 
 # The transforms are classes, not closures, so that a loaded model (which carries its info)
@@ -76,7 +83,7 @@ class NotImages:
 
     def __call__(self, image: Any) -> torch.Tensor:
         takes = "token ids" if self.kind == "text" else "its own kind of input"
-        raise LayertapError(f"this is a {self.kind} model: it takes {takes}, not images")
+        raise DataError(f"this is a {self.kind} model: it takes {takes}, not images")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +235,16 @@ def _torchvision(name: str, weights_name: str | None) -> tuple[nn.Module, ModelI
                 f"torchvision model {name!r} has no weights {weights_name!r}; available: {known}"
             )
         weights = enum[weights_name]
-    model = models.get_model(name, weights=weights)
+    try:
+        model = models.get_model(name, weights=weights)
+    except OSError as e:  # only weights are downloaded (URLError, a full disk, an unwritable cache)
+        if weights is None:
+            raise
+        raise ModelLoadError(
+            f"could not download the weights {weights_name} of torchvision:{name} ({_reason(e)}): where there "
+            f"is a network, download {weights.url} and put it at {_hub_checkpoint(weights.url)} (torch.hub's "
+            f"cache; TORCH_HOME moves it), or drop ':{weights_name}' for random weights"
+        ) from e
     # random weights still take the preprocessing (and input size) of the published ones
     preset = weights or (enum.DEFAULT if enum is not None else None)
     if preset is None:
@@ -252,7 +268,42 @@ def _timm(name: str, pretrained: str | None) -> tuple[nn.Module, ModelInfo]:
         raise ModelLoadError(
             f"timm has no model {name!r}" + (f"; similar: {', '.join(close)}" if close else "")
         ) from e
+    except OSError as e:  # only pretrained weights are downloaded (the Hub offline, a URLError)
+        if pretrained is None:
+            raise
+        raise _timm_download_failed(timm, name, e) from e
     return model, _timm_info(model, f"timm:{name}" + (":pretrained" if pretrained else ""))
+
+
+def _timm_download_failed(timm: Any, name: str, error: OSError) -> ModelLoadError:
+    """Where timm would have got the weights of ``name`` from, and how to get them there."""
+    cfg = timm.models.get_pretrained_cfg(name)  # found: timm got as far as downloading
+    if cfg.hf_hub_id:  # timm prefers the Hub when the weights are there
+        cache = require("huggingface_hub.constants", "timm").HF_HUB_CACHE
+        where = (
+            f"from the Hugging Face Hub ({cfg.hf_hub_id}): where there is a network, download them "
+            f"(hf download {cfg.hf_hub_id}) and copy the Hugging Face cache {cache} here (HF_HOME moves it)"
+        )
+    else:
+        where = (
+            f"from {cfg.url}: where there is a network, download them and put the file at "
+            f"{_hub_checkpoint(cfg.url)} (torch.hub's cache; TORCH_HOME moves it)"
+        )
+    return ModelLoadError(
+        f"could not download the pretrained weights of timm:{name} ({_reason(error)}) {where}; "
+        "or drop ':pretrained' for random weights"
+    )
+
+
+def _hub_checkpoint(url: str) -> Path:
+    """Where ``torch.hub.load_state_dict_from_url`` looks for the download of ``url`` first."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urllib.parse.urlparse(url).path).name
+
+
+def _reason(e: BaseException) -> str:
+    """The gist of ``e`` in one line: its first sentence (library messages go on with advice)."""
+    text = " ".join(str(getattr(e, "reason", None) or e).split()).split(". ")[0].rstrip(".")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +364,8 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
         try:  # the model's own preprocessing, when it was saved with the model (custom code still refused)
             with _hf_refusals(spec):
                 processor = transformers.AutoImageProcessor.from_pretrained(path_or_name, trust_remote_code=trust)
+        except ModelLoadError:  # a refusal (a ValueError too) is not a missing processor
+            raise
         except (OSError, ValueError):
             processor = None
         if processor is not None:
@@ -360,12 +413,36 @@ def _shapes() -> tuple[nn.Module, ModelInfo]:
     return model, ModelInfo(DEFAULT_SPEC, model.input_size, transform=transform, classes=list(CLASSES))
 
 
-def _is_torchscript(path: Path) -> bool:
-    # both formats are zip archives; only TorchScript stores code and constants
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return any(n.endswith("/constants.pkl") or "/code/" in n for n in archive.namelist())
+_NO_HOOKS = "which layertap cannot tap (TorchScript modules take no forward hooks)"
+
+
+def _check_saved(path: Path) -> None:
+    """Refuse, before unpickling anything, a file that torch.save did not write, and TorchScript."""
+    with path.open("rb") as f:
+        head = f.read(64)
+    if not head:
+        raise ModelLoadError(f"{path} is empty (0 bytes): it was not saved or copied completely")
+    if head.startswith(b"PK\x03\x04"):  # a zip archive: torch.save's format since PyTorch 1.6, and TorchScript's
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile as e:
+            raise ModelLoadError(
+                f"{path} is damaged: it begins as a zip archive but its index (at the end) is missing or broken, "
+                "as when a copy or download stops early; save or copy it again"
+            ) from e
+        # only TorchScript stores code and constants
+        if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+            raise ModelLoadError(
+                f"{path} is a TorchScript archive, {_NO_HOOKS}: load the original nn.Module instead, with its "
+                "package.module:factory spec, or its state dict with --arch SPEC (arch=); "
+                "torch.jit.load(PATH).state_dict() has the original names"
+            )
+    elif not (head.startswith(b"\x80") and _LEGACY_MAGIC in head):
+        raise ModelLoadError(
+            f"{path} is not a file written by torch.save (neither a zip archive nor a PyTorch pickle): it is "
+            "damaged, or in another format"
+        )
 
 
 def _state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
@@ -383,26 +460,20 @@ def _state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
 def _file(path: Path, arch: str | None, trust: bool) -> tuple[nn.Module, ModelInfo]:
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path}")
-    if _is_torchscript(path):
-        if arch is not None:
-            raise ModelLoadError(
-                f"{path} is a TorchScript archive, which holds its own architecture: drop --arch"
-            )
-        model = torch.jit.load(str(path), map_location="cpu")
-        return model, dataclasses.replace(model_info(model), spec=str(path))
+    _check_saved(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refuses any object that is not plain data
         if not trust:
-            found = re.search(r"GLOBAL (\S+)", str(e))
-            what = f"a pickled {found.group(1)}" if found else "pickled data that is not plain tensors"
-            raise ModelLoadError(
-                f"{path} holds {what} (e.g. a whole nn.Module saved with torch.save); unpickling it can "
-                "run arbitrary code from the file, so layertap refuses it. If you trust the file, pass "
-                "--trust (trust=True); better, save a state dict (torch.save(model.state_dict(), path)) "
-                "and load it with --arch SPEC"
-            ) from e
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+            raise _refused(path, e) from e
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except (pickle.UnpicklingError, EOFError) as broken:  # the pickle itself, not an object in it
+            raise _damaged(path, broken) from broken
+    except OSError:  # unreadable, not damaged: its message says why
+        raise
+    except Exception as e:  # a damaged file fails in many ways: RuntimeError, EOFError, KeyError, ...
+        raise _damaged(path, e) from e
     if isinstance(obj, nn.Module):
         return obj, dataclasses.replace(model_info(obj), spec=str(path))
     state = _state_dict(obj)
@@ -423,6 +494,31 @@ def _file(path: Path, arch: str | None, trust: bool) -> tuple[nn.Module, ModelIn
             f"(e.g. {result.unexpected_keys[:3]}); check --arch"
         )
     return model, dataclasses.replace(model_info(model), spec=str(path))
+
+
+def _refused(path: Path, error: pickle.UnpicklingError) -> ModelLoadError:
+    """Why ``torch.load(weights_only=True)`` refused ``path``: a class it names, or a pickle it cannot read."""
+    found = re.search(r"(?:GLOBAL|Unsupported class) (\S+)", str(error))  # torch < 2.4: "Unsupported class"
+    if found is not None:
+        return ModelLoadError(
+            f"{path} holds a pickled {found.group(1)} (e.g. a whole nn.Module saved with torch.save); unpickling it can "
+            "run arbitrary code from the file, so layertap refuses it. If you trust the file, pass "
+            "--trust (trust=True); better, save a state dict (torch.save(model.state_dict(), path)) "
+            "and load it with --arch SPEC"
+        )
+    detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(error))
+    return ModelLoadError(
+        f"{path} holds a pickle that torch.load(weights_only=True) cannot read "
+        f"({detail.group(1).strip() if detail else _reason(error)}): the file is damaged (save or copy it again), "
+        "or was saved in a form that only full unpickling reads (e.g. pickle_protocol=4), which can run code "
+        "from the file: pass --trust (trust=True) only if you trust it"
+    )
+
+
+def _damaged(path: Path, error: BaseException) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path} is damaged: torch.load cannot read it ({_reason(error)}); save or copy it again"
+    )
 
 
 def spec_kind(spec: str, arch: str | None = None) -> str:
@@ -486,6 +582,10 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
             model, info = _file(Path(spec), arch, trust)
         else:
             model, info = _factory(spec)
+    if isinstance(model, torch.jit.ScriptModule):  # from a factory, or a trusted pickle
+        raise ModelLoadError(
+            f"{spec} gives a TorchScript module, {_NO_HOOKS}: give the nn.Module itself, before torch.jit.script/trace"
+        )
     model.layertap_info = info
     return model.eval()
 
@@ -495,7 +595,6 @@ __all__ = [
     "model_info",
     "spec_kind",
     "ModelInfo",
-    "ModelLoadError",
     "ImageTransform",
     "NotImages",
     "DEFAULT_SPEC",

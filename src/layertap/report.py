@@ -23,8 +23,11 @@ pass; it never stops the page.
 A store may come from someone else, so it is read as data, never as code:
 
 - the model is the one given (``model=``, ``--model``). The spec the store records is loaded only
-  with ``trust_store_model=True`` (``--trust``), after naming it on stderr: loading a spec runs
+  with ``trust_store=True`` (``--trust``), after naming it on stderr: loading a spec runs
   code (``package.module:callable`` is imported and called, a file or folder may bring its own);
+- images are read from the folder given (``images=``, ``--images``); the folder the store records
+  (an absolute path, anywhere) is used only with ``trust_store=True``: a crafted store could
+  name a private folder and put its pictures into a page that is then shared;
 - sample ids are read only inside the image folder: an id that resolves (links followed) outside
   it, such as ``../../x.png`` or ``/home/x.png``, makes the sections that read images unavailable,
   and no file outside the folder is opened.
@@ -54,7 +57,8 @@ from .dataset import model_fingerprint
 from .errors import ArgumentError, require
 from .features import place_model
 from .images import load_image
-from .loading import ModelLoadError, load_model, model_info, spec_kind
+from .errors import ModelLoadError
+from .loading import load_model, model_info, spec_kind
 from .overlay import overlay
 from .select import named_layers
 from .stats import LayerStats, StatsTable, summarize
@@ -85,7 +89,7 @@ class _Context:
     """The store and what can be found about it: class names, image files, the matching model."""
 
     def __init__(
-        self, store: FeatureStore, model: nn.Module | str | None, images: str | Path | None, max_samples: int, trust_store_model: bool = False
+        self, store: FeatureStore, model: nn.Module | str | None, images: str | Path | None, max_samples: int, trust_store: bool = False
     ) -> None:
         self.store = store
         self.meta = store.meta
@@ -94,8 +98,8 @@ class _Context:
         self.valid = np.flatnonzero(store.valid)  # read and written rows only
         self.sample = _spread(self.valid, max_samples)
         self.classes = self._class_names()
-        self.root = self._image_root(images)
-        self.model, self.model_note = self._model(model, trust_store_model)
+        self.root, self.root_note = self._image_root(images, trust_store)
+        self.model, self.model_note = self._model(model, trust_store)
 
     def _class_names(self) -> list[str] | None:
         if self.labels is None:
@@ -113,25 +117,31 @@ class _Context:
             return self.classes[label]
         return f"class {label}"
 
-    def _image_root(self, images: str | Path | None) -> Path | None:
+    def _image_root(self, images: str | Path | None, trust_store: bool) -> tuple[Path | None, str]:
+        """The image folder, and why there is none: the one given, or with consent the recorded one."""
         if self.meta["ids"] != "path":
-            return None
+            return None, "the store's samples are not image files (their ids are indices), so there are no images to show"
         if images is None:
             root = self.meta.get("root")
             data = str(self.meta.get("data", ""))
             if root is None and data.startswith("images "):  # extract_dataset's description of a folder
                 root = data.removeprefix("images ")
             if root is None:
-                return None
+                return None, "the store does not record its image folder; pass it with images= / --images DIR"
+            if not trust_store:
+                return None, (
+                    f"the store records its images as {root!r}, which is read only if you trust the store; pass the "
+                    "folder with images= / --images DIR, or trust_store=True / --trust"
+                )
             images = root
-        root = Path(images)
-        return root.parent if root.is_file() else root
+        found = Path(images)
+        return (found.parent if found.is_file() else found), ""
 
-    def _model(self, model: nn.Module | str | None, trust_store_model: bool) -> tuple[nn.Module | None, str]:
+    def _model(self, model: nn.Module | str | None, trust_store: bool) -> tuple[nn.Module | None, str]:
         """The model, and a note when it cannot explain the stored features.
 
         A spec given here must load. The spec the store records is only tried, and only with
-        ``trust_store_model``: it is data from whoever wrote the store, and loading it runs code.
+        ``trust_store``: it is data from whoever wrote the store, and loading it runs code.
         """
         if isinstance(model, str):
             model = load_model(model)
@@ -141,10 +151,10 @@ class _Context:
                 spec_kind(spec)  # parses the text only
             except ModelLoadError:
                 return None, f"the store names its model only as {spec!r}, not as a spec to load; pass the model with model= / --model SPEC"
-            if not trust_store_model:
+            if not trust_store:
                 return None, (
                     f"the store records its model as {spec!r}, which is loaded only if you trust the store (loading a model "
-                    f"runs code); pass the model with model= / --model SPEC, or trust_store_model=True / --trust to load {spec!r}"
+                    f"runs code); pass the model with model= / --model SPEC, or trust_store=True / --trust to load {spec!r}"
                 )
             # quoted: the text is the store's, and must not pass control characters to the terminal
             print(f"layertap: loading the model the store records (trusted): {spec!r}", file=sys.stderr, flush=True)
@@ -152,7 +162,7 @@ class _Context:
                 model = load_model(spec, trust=True)
             except Exception as e:  # a model that no longer loads only costs the sections that need it
                 return None, f"the store's model {spec!r} could not be loaded ({_one_line(e)}); pass it with model= / --model SPEC"
-        expected = self.meta.get("settings", {}).get("model")
+        expected = (self.meta.get("settings") or {}).get("model")
         if expected is not None and model_fingerprint(model) != expected:
             return model, (
                 "the model's weights are not those that wrote the store (new random weights, or another "
@@ -166,10 +176,8 @@ class _Context:
         return self.model
 
     def image_paths(self, rows: np.ndarray) -> list[Path]:
-        if self.meta["ids"] != "path":
-            raise Unavailable("the store's samples are not image files (their ids are indices), so there are no images to show")
         if self.root is None:
-            raise Unavailable("the store does not record its image folder; pass it with images= / --images DIR")
+            raise Unavailable(self.root_note)
         root = self.root.resolve()
         paths = [_inside(root, str(self.ids[i])) for i in rows]
         outside = [str(self.ids[i]) for i, p in zip(rows, paths) if p is None]
@@ -552,7 +560,7 @@ def build_report(
     heatmaps: int = 16,
     max_samples: int = 1000,
     title: str | None = None,
-    trust_store_model: bool = False,
+    trust_store: bool = False,
 ) -> Path:
     """Write one self-contained HTML page about ``store`` to ``out_html``; return its path.
 
@@ -560,17 +568,18 @@ def build_report(
         store: a feature store (path or `FeatureStore`) written by `layertap.extract_dataset`.
         model: the model that wrote it, or its spec. Without it, the sections that need a model
             say how to give one.
-        images: the image folder the store's ids are relative to; default: the one it records.
+        images: the image folder the store's ids are relative to; default, with ``trust_store``:
+            the one it records.
         stats: statistics to show instead of computing them (e.g. the `layertap.stats` table
             you already have).
         cam_method: a `layertap.cam.METHODS` name; ``cam_layer`` its layer (default: chosen by it).
         heatmaps: how many images the heatmap grid shows.
         max_samples: samples drawn in the projections and used for the statistics over images.
         title: the page title; default names the model.
-        trust_store_model: without ``model``, load the spec the store records (named on stderr
-            first), as ``load_model(spec, trust=True)``: it runs code the store names (a
-            ``package.module:callable``, a pickled model, a Hugging Face folder's own code), so
-            pass it only for a store from someone you trust.
+        trust_store: use what the store records: without ``model``, load its spec (named on
+            stderr first), as ``load_model(spec, trust=True)``, which runs code the store names
+            (a ``package.module:callable``, a pickled model, a Hugging Face folder's own code);
+            without ``images``, read its image folder. Pass it only for a store you trust.
 
     Example:
         >>> import layertap
@@ -584,7 +593,7 @@ def build_report(
     started = time.perf_counter()
     opened = store if isinstance(store, FeatureStore) else open_features(store)
     try:
-        ctx = _Context(opened, model, images, max_samples, trust_store_model)
+        ctx = _Context(opened, model, images, max_samples, trust_store)
         builders = {
             "store": lambda: _store_section(ctx),
             "layers": lambda: _layers_section(ctx),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ from ..features import place_model
 from ..images import find_images, load_image
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
-from . import app, typer
+from .core import app, typer
 from .options import arch_option, check_method, model_argument, parse_shape, trust_option
 
 
@@ -52,15 +55,21 @@ def _target(text: str | None, classes: list[str] | None) -> int | None:
     raise typer.BadParameter(f"--target {text!r} is neither a class index nor a class name of this model{known}")
 
 
+MAX_STEM = 200  # characters (ASCII: bytes); with a clash suffix and ".png", under file systems' 255-byte names
+
+
 def safe_names(ids: list[str]) -> list[str]:
     """File stems for image ids (relative paths), safe inside one folder and unique.
 
     Path segments are joined by ``__`` (``.``, ``..`` and empty ones dropped), the extension is
     removed and any character outside ``[A-Za-z0-9._-]`` becomes ``_``, so a name can never
-    leave the output folder nor be hidden; a clash (ignoring case) gets a numeric suffix.
+    leave the output folder nor be hidden; a clash (ignoring case) gets a numeric suffix. A stem
+    over `MAX_STEM` characters is cut and ends with a hash of the id, so it stays distinct.
 
     >>> safe_names(["cats/001.jpg", "../x y.png", "cats__001.png"])
     ['cats__001', 'x_y', 'cats__001-2']
+    >>> len(safe_names(["a" * 300 + ".png"])[0])
+    200
     """
     names: list[str] = []
     taken: set[str] = set()
@@ -70,6 +79,9 @@ def safe_names(ids: list[str]) -> list[str]:
         if "." in last.lstrip("."):
             parts[-1] = last.rsplit(".", 1)[0]
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", "__".join(parts)).lstrip(".") or "image"
+        if len(stem) > MAX_STEM:
+            digest = hashlib.sha256(image_id.encode()).hexdigest()[:12]
+            stem = f"{stem[: MAX_STEM - len(digest) - 1]}-{digest}"
         name, n = stem, 1
         while name.lower() in taken:
             n += 1
@@ -150,23 +162,33 @@ def cam(
     found = [find_images(path) for path in images]
     paths = [p for f in found for p in f.paths]
     ids = [i for f in found for i in f.ids()]
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"{out} is a file, not a folder", param_hint="'--out'")
     names = safe_names(ids)
     explainer = METHODS[method](net, layer or None)
-    for start in range(0, len(paths), batch_size):
-        chunk = range(start, min(start + batch_size, len(paths)))
-        pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
-        inputs = torch.stack([transform(p) for p in pictures])
-        maps = explainer(inputs.to(where), class_index)
-        probs = explainer.logits.float().softmax(-1).cpu()
-        for k, i in enumerate(chunk):
-            heat = maps[k].cpu()
-            np.save(out / f"{names[i]}.npy", heat.numpy())
-            shown = display_image(transform, pictures[k], inputs[k])
-            overlay(shown, heat, alpha, colormap).save(out / f"{names[i]}.png")
-            top = int(probs[k].argmax())
-            label = info.classes[top] if info.classes and top < len(info.classes) else str(top)
-            explained = explainer.target_classes[k] if explainer.target_classes else top
-            what = "" if explained == top else f", explained class {explained}"
-            typer.echo(f"{ids[i]}: {label} ({float(probs[k, top]):.2f}){what} -> {out / names[i]}.png")
+    lines: list[str] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # files are written beside --out and moved in at the end, so a failure leaves nothing behind
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".layertap-cam-") as staging:
+        for start in range(0, len(paths), batch_size):
+            chunk = range(start, min(start + batch_size, len(paths)))
+            pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
+            inputs = torch.stack([transform(p) for p in pictures])
+            maps = explainer(inputs.to(where), class_index)
+            probs = explainer.logits.float().softmax(-1).cpu()
+            for k, i in enumerate(chunk):
+                heat = maps[k].cpu()
+                np.save(Path(staging, f"{names[i]}.npy"), heat.numpy())
+                shown = display_image(transform, pictures[k], inputs[k])
+                overlay(shown, heat, alpha, colormap).save(Path(staging, f"{names[i]}.png"))
+                top = int(probs[k].argmax())
+                label = info.classes[top] if info.classes and top < len(info.classes) else str(top)
+                explained = explainer.target_classes[k] if explainer.target_classes else top
+                what = "" if explained == top else f", explained class {explained}"
+                lines.append(f"{ids[i]}: {label} ({float(probs[k, top]):.2f}){what} -> {out / names[i]}.png")
+        out.mkdir(exist_ok=True)
+        for name in os.listdir(staging):
+            os.replace(Path(staging, name), out / name)  # a rename: the same file system
+    for line in lines:
+        typer.echo(line)
     typer.echo(f"layer: {', '.join(explainer.layers or [])}; method: {method}; {len(paths)} heatmaps in {out}")

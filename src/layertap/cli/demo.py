@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..demo import run_demo
-from . import app, typer
+from .core import app, typer
 
 
 @app.command()

@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from ..controls import REDUCTIONS
 from ..dataset import extract_dataset
 from ..distributed import launched
 from ..loading import load_model
 from ..store import FORMATS, Location, is_url, location, url_fs
 from ..units import human_bytes
-from . import app, typer
+from .core import app, typer
 from .options import arch_option, model_argument, trust_option
 
 DTYPES = ("float32", "float16", "float64")
@@ -96,6 +98,8 @@ def extract(
         arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
         typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human_bytes(_disk_size(out))}): {arrays}")
         if store.labels is not None:
-            typer.echo(f"labels: {len(set(store.labels.tolist()))} classes")
+            # rows of failed samples are not valid, and images outside any class folder are labelled -1
+            labels = store.labels[store.valid]
+            typer.echo(f"labels: {len(np.unique(labels[labels >= 0]))} classes")
         for failure in store.failed:
             typer.echo(f"failed: {failure.id}: {failure.error}")

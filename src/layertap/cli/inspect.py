@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..loading import DEFAULT_SPEC, ModelLoadError, load_model, model_info, spec_kind
+from ..errors import ModelLoadError
+from ..loading import DEFAULT_SPEC, load_model, model_info, spec_kind
 from ..summary import summary
-from . import app, typer
+from .core import app, typer
 from .options import arch_option, model_argument, parse_shape, trust_option
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..cam import METHODS
-from ..loading import ModelLoadError, spec_kind
-from . import typer
+from ..errors import ModelLoadError
+from ..loading import spec_kind
+from .core import typer
 
 SPEC_HELP = (
-    "Model spec: torchvision:NAME[:WEIGHTS], timm:NAME, hf:PATH_OR_NAME, PATH.pt, package.module:callable "
-    "or layertap:shapes."
+    "Model spec: torchvision:NAME[:WEIGHTS], timm:NAME[:pretrained], hf:PATH_OR_NAME, PATH.pt (a state dict, "
+    "with --arch; not TorchScript), package.module:callable or layertap:shapes."
 )
 
 

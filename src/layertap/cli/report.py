@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..cam import METHODS
 from ..loading import load_model
 from ..report import build_report
 from ..store import is_url, location
-from . import app, typer
+from .core import app, typer
 from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
 
 
@@ -21,20 +22,21 @@ def report(
         help="The model that wrote the store, as a spec (default: none; with --trust, the spec the store records).",
     ),
     arch: str | None = arch_option("--model"),
-    images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: the one it records)."),
+    images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: none; with --trust, the one the store records)."),
     method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
     heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
     max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the PCA plots and used for statistics."),
     trust: bool = trust_option(
-        "Without --model, load the model spec the store records (named on stderr first): it runs code the store names. "
+        "Use what the store records: without --model, its model spec (named on stderr first; it runs code the store "
+        "names); without --images, its image folder. "
         + TRUST_HELP
     ),
 ) -> None:
     """Write one HTML page (no network needed to view it) with the model's layer table, heatmaps
     of the store's images with true and predicted classes, a 2-D PCA of every stored layer
     coloured by class, and per-layer activation statistics. Sections that need what the store
-    lacks (the model, the image files) say so instead. A store is data: the model it records is
-    loaded only with --trust, and only images inside its image folder are read.
+    lacks (the model, the image files) say so instead. A store is data: the model and the image
+    folder it records are used only with --trust, and only images inside the image folder are read.
 
     Example: layertap report ./features.zarr --out report.html
     """
@@ -45,9 +47,10 @@ def report(
         raise typer.BadParameter(f"{store} is a URL: say where the page goes with --out", param_hint="'--out'")
     if not is_url(where) and not where.exists():
         raise typer.BadParameter(f"no feature store at {store}", param_hint="'STORE'")
-    target = out or where.with_suffix(".html")
+    # "." and ".." name no store: the absolute path does (symlinks kept, so it is beside the name given)
+    target = out or Path(os.path.abspath(where)).with_suffix(".html")
     net = load_model(model, arch=arch, trust=trust) if model is not None else None
     path = build_report(
-        where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples, trust_store_model=trust
+        where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples, trust_store=trust
     )
     typer.echo(f"report: {path}")

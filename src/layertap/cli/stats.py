@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..loading import load_model
 from ..stats import stats as layer_stats
-from . import app, typer
+from .core import app, typer
 from .options import arch_option, model_argument, trust_option
 
 

@@ -1,0 +1,64 @@
+"""The root of the ``layertap`` command: the app that the commands register on, and its error handling.
+
+Exit codes: 0 ok, 2 usage error, 1 runtime failure, reported in one line (``--debug`` shows the
+traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+from ..errors import require
+
+typer = require("typer", "cli")
+click = require("click", "cli")
+
+app = typer.Typer(
+    name="layertap",
+    help="Tap any layer of any PyTorch model. Example: layertap inspect torchvision:resnet18 --depth 1",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_debug = False
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of a failure."),
+) -> None:
+    global _debug
+    _debug = debug
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = typer.main.get_command(app)
+    try:
+        # the context is driven here, not by click's main: that turns any EOFError (an empty or
+        # truncated file) into a blank line and "Aborted", and layertap never reads stdin
+        with command.make_context("layertap", args) as ctx:
+            result = command.invoke(ctx)
+    except (click.exceptions.Exit, typer.Exit) as e:
+        return e.exit_code
+    # usage errors: exit code 2 (newer typer raises its own copies of click's exceptions)
+    except (click.ClickException, getattr(typer, "TyperException", click.ClickException)) as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("layertap: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout left (`layertap inspect | head`): nothing to say
+        sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)
+        return 1
+    except Exception as e:  # one line, not a traceback, unless --debug
+        if _debug or "--debug" in args:
+            traceback.print_exc()
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"layertap: error: {message}", file=sys.stderr)
+        return 1
+    return result if isinstance(result, int) else 0
+
