@@ -169,3 +169,11 @@ def test_without_the_cli_extra_one_line_names_it(start):
     )
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["layertap: error: 'typer' is needed for this; install it with: pip install 'layertap[cli]'"]
+
+
+def test_version_is_the_packages_one():
+    from importlib import metadata
+
+    done = subprocess.run([sys.executable, "-m", "layertap", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"layertap {layertap.__version__}"
+    assert metadata.version("layertap") == layertap.__version__  # one source: pyproject reads __init__

@@ -25,9 +25,18 @@ app = typer.Typer(
 _debug = False
 
 
+def _version(shown: bool) -> None:
+    if shown:
+        from .. import __version__
+
+        typer.echo(f"layertap {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of a failure."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     global _debug
     _debug = debug
