@@ -140,13 +140,13 @@ def competitors() -> tuple[dict, list[str]]:
         methods["thingsvision"] = thingsvision_extract(get_extractor)
         if note:
             notes.append(f"thingsvision: {note}")
-    except Exception as e:  # noqa: BLE001 - reported, not hidden
+    except Exception as e:
         notes.append(f"thingsvision: not run ({type(e).__name__}: {e}); pip install thingsvision")
     try:
         import torchlens
 
         methods["TorchLens"] = torchlens_extract(torchlens)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         notes.append(f"TorchLens: not run ({type(e).__name__}: {e}); pip install torchlens")
     return methods, notes
 

@@ -15,7 +15,7 @@ model.add_module("relu", nn.ReLU(inplace=True))
 model.add_module("fc2", nn.Linear(256, 10))
 
 with layertap.tap(model, "fc1", keep="all") as acts, layertap.tap(model, "fc2", capture="grad") as grads:
-    for step in range(3):
+    for _ in range(3):
         y = model(torch.randn(1, 784))
     y.backward(torch.ones(1, 10))
 

@@ -13,11 +13,10 @@ import warnings
 
 import numpy as np
 import pytest
+import slow_model
 
 import layertap
 from layertap.store import StoreWriter
-
-import slow_model
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
 SAMPLES = 48  # 24 batches, 12 chunks

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import slow_model
 import torch
 import torchvision
 from torch import nn
@@ -21,8 +22,6 @@ from layertap.data import DataError, image_to_tensor
 from layertap.images import find_images, load_image
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
-
-import slow_model
 
 FORMATS = {"zarr": "feats.zarr", "hdf5": "feats.h5", "npy": "feats"}
 

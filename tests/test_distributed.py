@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import slow_model
 import torch
 
 import layertap
@@ -24,8 +25,6 @@ from layertap.dataset import _plan as dataset_plan
 from layertap.distributed import job, launched, rank_device
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
-
-import slow_model
 
 TESTS = str(Path(__file__).parent)  # on PYTHONPATH: subprocesses load slow_model from here
 LAYERS = ["--layers", "features.block2", "--layers", "features.block4.relu4", "--layers", "classifier"]
@@ -98,7 +97,7 @@ def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_pa
     args = ["extract", "slow_model:slow", str(data), "--layers", "conv", "--layers", "pool", "--out", str(out), "--batch-size", "4", "--chunk-size", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    job_ = subprocess.Popen([*launcher, "-m", "layertap", *args], stdout=subprocess.PIPE, stderr=open(tmp_path / "job.log", "w"), text=True, env=env)
+    job_ = subprocess.Popen([*launcher, "-m", "layertap", *args], stdout=subprocess.PIPE, stderr=open(tmp_path / "job.log", "w"), text=True, env=env)  # noqa: SIM115 - the job writes to it until it ends
     started = {"0": 0, "1": 0}
     while started["1"] < 4:  # rank 1 has written its first chunk (2 batches) and is on its second
         line = job_.stdout.readline()

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import slow_model
 import torch
 from torch import nn
 
 import layertap
 from layertap.errors import DataChangedError, StoreError, StoreLockedError
 from layertap.store import StoreLock, StoreWriter
-
-import slow_model
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
 
@@ -263,7 +262,7 @@ def test_fuzzed_metadata_is_refused_in_one_line_or_read_correctly(tmp_path, form
             assert one_line(e), (what, str(e))
             outcomes["refused"] += 1
             continue
-        except Exception as e:  # noqa: BLE001 - anything else is a defect
+        except Exception as e:
             pytest.fail(f"trial {trial}, {what}: {type(e).__name__}: {e}")
         assert same(got, original), f"trial {trial}, {what}: read wrong data instead of refusing"
         outcomes["same"] += 1
@@ -436,7 +435,7 @@ def test_limit_writes_exactly_the_first_rows_in_every_format(tmp_path, format):
     for i in range(12):
         Image.new("RGB", (4, 4), (i * 20, 0, 0)).save(folder / f"{i:02d}.png")
     model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2)).eval()
-    to_tensor = lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1).float()  # noqa: E731
+    to_tensor = lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1).float()
     store = layertap.extract_dataset(model, folder, "1", tmp_path / FORMATS[format], format=format, limit=5, batch_size=2, num_workers=0, transform=to_tensor, progress=False)
     assert store.complete and store.num_samples == 5
     assert store.ids.tolist() == [f"{i:02d}.png" for i in range(5)]

@@ -7,6 +7,8 @@
 {'layer2': (2, 128), 'layer4': (2, 512)}
 """
 
+from . import cam
+from .dataset import extract_dataset
 from .errors import (
     ArgumentError,
     CorruptImageError,
@@ -23,18 +25,16 @@ from .errors import (
     StoreLockedError,
     TapError,
 )
-from . import cam
 from .features import FeatureExtractor, extract
-from .dataset import extract_dataset
-from .store import FeatureStore, open_features
-from .overlay import overlay, overlay_grid
 from .loading import ModelInfo, load_model, model_info
+from .nonfinite import Report, find_nonfinite
+from .overlay import overlay, overlay_grid
+from .report import build_report
 from .select import select
+from .stats import LayerStats, StatsTable, stats
+from .store import FeatureStore, open_features
 from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
-from .stats import LayerStats, StatsTable, stats
-from .nonfinite import Report, find_nonfinite
-from .report import build_report
 
 __version__ = "0.1.0"
 

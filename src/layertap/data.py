@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import numpy as np
 import torch
@@ -47,7 +47,8 @@ _LABEL_KEYS = ("label", "labels")
 class Failure(NamedTuple):
     """A sample that could not be loaded (recorded with ``on_error='skip'``)."""
 
-    index: int
+    # the field shadows tuple.index on purpose (it is the sample's index); mypy reports any such field
+    index: int  # type: ignore[assignment]
     id: Any
     error: str
 
@@ -184,6 +185,17 @@ class ArrayRows(Dataset):
         return row if isinstance(row, torch.Tensor) else torch.from_numpy(np.array(row))
 
 
+class _MapDataset(Protocol):
+    """A map-style dataset that knows its length (torch's ``Dataset`` does not declare ``__len__``)."""
+
+    def __getitem__(self, i: int, /) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
+Catch = type[BaseException] | tuple[type[BaseException], ...]
+
+
 class _Failed(NamedTuple):
     error: str  # what went wrong, without the path (the sample id says it)
     message: str  # the full message, for on_error='fail'
@@ -196,7 +208,7 @@ class _Guarded(Dataset):
     cannot be rebuilt from a pickle), and the main process raises or records it.
     """
 
-    def __init__(self, dataset: Dataset, catch: type[BaseException]) -> None:
+    def __init__(self, dataset: _MapDataset, catch: Catch) -> None:
         self.dataset, self.catch = dataset, catch
 
     def __len__(self) -> int:
@@ -266,17 +278,18 @@ class _Indexed(DataSource):
     """A map-style dataset: any sample can be read on its own, so a shard reads only its samples."""
 
     indexed = True
+    num_samples: int  # a map-style dataset always knows its length
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: _MapDataset,
         *,
         ids: Sequence | None,
         description: str,
         on_error: OnError,
         batch_size: int,
         loader_options: dict,
-        catch_in_fail_mode: type[BaseException] | tuple = (),
+        catch_in_fail_mode: Catch = (),
         limit: int | None,
     ) -> None:
         self.dataset = dataset
@@ -286,7 +299,7 @@ class _Indexed(DataSource):
         self.on_error = on_error
         self.batch_size = batch_size
         self.loader_options = loader_options
-        self.catch = Exception if on_error == "skip" else catch_in_fail_mode
+        self.catch: Catch = Exception if on_error == "skip" else catch_in_fail_mode
 
     def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
         indices = range(self.num_samples) if shard is None else np.asarray(shard, dtype=np.int64)
@@ -380,7 +393,7 @@ def _loader_options(loader: DataLoader) -> dict:
     return options
 
 
-def _dataset_ids(dataset: Dataset) -> list[str] | None:
+def _dataset_ids(dataset: _MapDataset) -> list[str] | None:
     samples = getattr(dataset, "samples", None)  # torchvision's DatasetFolder and ImageFolder
     if isinstance(samples, list) and samples and isinstance(samples[0], tuple) and len(samples) == len(dataset):
         return [str(s[0]) for s in samples]
@@ -418,7 +431,6 @@ def open_data(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    common = dict(on_error=on_error, batch_size=batch_size, limit=limit)
 
     def options(files: bool) -> dict:
         workers = _default_workers(files) if num_workers is None else num_workers
@@ -427,16 +439,26 @@ def open_data(
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if path.suffix == ".npy":
-            return _Indexed(_npy_rows(path), ids=None, description=f"array {path}", loader_options=options(False), **common)
+            return _Indexed(
+                _npy_rows(path),
+                ids=None,
+                description=f"array {path}",
+                on_error=on_error,
+                batch_size=batch_size,
+                loader_options=options(False),
+                limit=limit,
+            )
         images = find_images(path)
         dataset = ImageFiles(images.paths, images.labels, transform, max_image_pixels=max_image_pixels)
         source = _Indexed(
             dataset,
             ids=images.ids(),
             description=f"images {path}",
+            on_error=on_error,
+            batch_size=batch_size,
             loader_options=options(True),
             catch_in_fail_mode=CorruptImageError,
-            **common,
+            limit=limit,
         )
         source.transform = dataset.transform
         source.root, source.classes = images.root.absolute(), images.classes
@@ -447,29 +469,44 @@ def open_data(
                 "this DataLoader shuffles (shuffle=True), so samples have no fixed position to resume "
                 "from or to label by: pass a DataLoader with shuffle=False, or the dataset itself"
             )
-        dataset = data.dataset
-        if isinstance(data.sampler, SequentialSampler) and data.batch_size is not None and not isinstance(dataset, IterableDataset):
+        inner = data.dataset
+        if isinstance(data.sampler, SequentialSampler) and data.batch_size is not None and not isinstance(inner, IterableDataset):
+            # a SequentialSampler reads range(len(dataset)), so this dataset has a length
+            mapped = _as_map(inner)
             return _Indexed(
-                dataset,
-                ids=_dataset_ids(dataset),
-                description=f"DataLoader over {type(dataset).__name__}",
+                mapped,
+                ids=_dataset_ids(mapped),
+                description=f"DataLoader over {type(inner).__name__}",
+                on_error=on_error,
+                batch_size=data.batch_size,
                 loader_options=_loader_options(data),
-                **{**common, "batch_size": data.batch_size},
+                limit=limit,
             )
         return _Stream(data, num_samples=_length(data.dataset), description="DataLoader", limit=limit)
     if isinstance(data, (np.ndarray, torch.Tensor)):
         rows = ArrayRows(data, f"this {type(data).__name__}")
-        return _Indexed(rows, ids=None, description=f"{type(data).__name__} of {len(data)} rows", loader_options=options(False), **common)
+        return _Indexed(
+            rows,
+            ids=None,
+            description=f"{type(data).__name__} of {len(data)} rows",
+            on_error=on_error,
+            batch_size=batch_size,
+            loader_options=options(False),
+            limit=limit,
+        )
     if isinstance(data, IterableDataset):
         loader = DataLoader(data, batch_size=batch_size)  # workers would each read the whole iterable
         return _Stream(loader, num_samples=_length(data), description=type(data).__name__, limit=limit)
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (list, tuple))):
+        mapped = _as_map(data)
         return _Indexed(
-            data,
-            ids=_dataset_ids(data),
+            mapped,
+            ids=_dataset_ids(mapped),
             description=type(data).__name__,
+            on_error=on_error,
+            batch_size=batch_size,
             loader_options=options(False),
-            **common,
+            limit=limit,
         )
     if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
         return _Stream(data, num_samples=None, description=f"{type(data).__name__} of batches", limit=limit)
@@ -477,6 +514,12 @@ def open_data(
         f"cannot read samples from {type(data).__name__}: give an image folder or file, a .npy path, "
         "a Dataset, a DataLoader, a tensor or array of samples, or an iterable of batches"
     )
+
+
+def _as_map(dataset: Any) -> _MapDataset:
+    """A map-style dataset as such: by torch's convention it defines ``__len__``, which its base
+    class does not declare (one that lacks it fails at ``len()`` in `_Indexed`, unchanged)."""
+    return cast(_MapDataset, dataset)
 
 
 def _length(obj: Any) -> int | None:

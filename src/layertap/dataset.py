@@ -282,7 +282,7 @@ class _Sink:
             try:
                 if self.error is None:
                     self._add(*item)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:
                 self.error = e
             finally:
                 del item
@@ -518,7 +518,7 @@ def extract_dataset(
             "settings": settings,
             "settings_hash": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16],
             "versions": _versions(fmt),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, format, meta, progress, chunk_size, procs)
         try:

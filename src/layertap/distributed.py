@@ -85,7 +85,7 @@ class Processes:
         if self.main:
             try:
                 box[0] = ("ok", make())
-            except BaseException as e:  # noqa: BLE001 - sent to every rank, raised on each
+            except BaseException as e:
                 error, box[0] = e, ("error", _portable(e))
         try:
             torch.distributed.broadcast_object_list(box, src=0)
@@ -144,7 +144,7 @@ def _portable(error: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(error))
         return error
-    except Exception:  # noqa: BLE001 - any unpicklable error is described instead
+    except Exception:
         return RankFailedError(f"rank 0 failed: {type(error).__name__}: {error}")
 
 

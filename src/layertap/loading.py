@@ -162,9 +162,12 @@ class ModelInfo:
 def _hf_info(model: nn.Module, spec: str | None) -> ModelInfo:
     """Info of a Hugging Face ``PreTrainedModel``, from its config (no import of transformers)."""
     config = model.config
-    kind = {"input_ids": "text", "pixel_values": "vision"}.get(
-        model.main_input_name,
-        "audio" if model.main_input_name in ("input_values", "input_features") else "other",
+    # a str on a Hugging Face model; typed object, as a model found only by its attributes may hold anything
+    main_input: object = model.main_input_name
+    kinds: dict[object, str] = {"input_ids": "text", "pixel_values": "vision"}
+    kind = kinds.get(
+        main_input,
+        "audio" if main_input in ("input_values", "input_features") else "other",
     )
     if kind != "vision":
         return ModelInfo(spec, kind=kind, vocab_size=getattr(config, "vocab_size", None))
@@ -586,7 +589,7 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
         raise ModelLoadError(
             f"{spec} gives a TorchScript module, {_NO_HOOKS}: give the nn.Module itself, before torch.jit.script/trace"
         )
-    model.layertap_info = info
+    model.layertap_info = info  # type: ignore[assignment]  # torch types Module.__setattr__'s value as Tensor | Module; any value is kept
     return model.eval()
 
 

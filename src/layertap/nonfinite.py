@@ -19,7 +19,7 @@ made the value comes first. Gradients are watched with tensor hooks on the layer
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
 
 import torch
@@ -29,7 +29,9 @@ from .failures import explain_failures
 from .features import run_model
 from .select import Layers, named_layers, select
 from .stats import Call, LayerStats, Recorder, Summary
-from .tap import Tap, tap
+from .tap import Kind, Tap, tap
+
+Phase = Literal["forward", "backward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Report:
             or gradient (backward); ``None`` for the first.
     """
 
-    phase: Literal["forward", "backward"]
+    phase: Phase
     layer: str
     module_type: str
     call: int
@@ -114,21 +116,25 @@ class NonfiniteCheck:
 
     def __enter__(self) -> NonfiniteCheck:
         grads = torch.is_grad_enabled() if self.grads is None else self.grads
-        capture = ("output", "input", "grad") if grads else ("output", "input")
+        capture: tuple[Kind, ...] = ("output", "input", "grad") if grads else ("output", "input")
         self.report = None
         self._tap = tap(self.model, self.names, capture=capture, keep="all", reduce=self._recorder)
         self._tap.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._tap.remove()
+        taps = self._tap
+        assert taps is not None  # set by __enter__, which a with block runs first
+        taps.remove()
         try:
-            self.report = self._find(self._tap)
+            self.report = self._find(taps)
         finally:
             self._recorder.clear()
 
     def _find(self, taps: Tap) -> Report | None:
-        phases = [("forward", taps.outputs)] + ([("backward", taps.grads)] if "grad" in taps.capture else [])
+        phases: list[tuple[Phase, Mapping[str, Any]]] = [("forward", taps.outputs)]
+        if "grad" in taps.capture:
+            phases.append(("backward", taps.grads))
         for phase, view in phases:
             calls = self._recorder.calls(view)
             first = next((i for i, c in enumerate(calls) if any(map(_nonfinite, c.summaries))), None)
@@ -188,7 +194,7 @@ def find_nonfinite(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     layers: Layers | None = None,
-) -> Report | None | NonfiniteCheck:
+) -> Report | NonfiniteCheck | None:
     """The first layer whose output (forward) or output gradient (backward) holds NaN or Inf.
 
     Runs ``model`` on ``inputs`` (a tensor, a tuple of args or a dict of kwargs), and with

@@ -32,7 +32,7 @@ def _jet(levels: int = 256) -> np.ndarray:
         "blue": ((0.0, 0.5), (0.11, 1), (0.34, 1), (0.65, 0), (1.0, 0)),
     }
     x = np.linspace(0.0, 1.0, levels)
-    channels = [np.interp(x, *zip(*segments[c])) for c in ("red", "green", "blue")]
+    channels = [np.interp(x, [p for p, _ in segments[c]], [v for _, v in segments[c]]) for c in ("red", "green", "blue")]
     return (np.stack(channels, 1) * 255).astype(np.uint8)
 
 

@@ -54,10 +54,9 @@ from torch import nn
 from . import cam
 from .data import ImageFiles
 from .dataset import model_fingerprint
-from .errors import ArgumentError, require
+from .errors import ArgumentError, ModelLoadError, require
 from .features import place_model
 from .images import load_image
-from .errors import ModelLoadError
 from .loading import load_model, model_info, spec_kind
 from .overlay import overlay
 from .select import named_layers
@@ -179,8 +178,14 @@ class _Context:
         if self.root is None:
             raise Unavailable(self.root_note)
         root = self.root.resolve()
-        paths = [_inside(root, str(self.ids[i])) for i in rows]
-        outside = [str(self.ids[i]) for i, p in zip(rows, paths) if p is None]
+        paths: list[Path] = []
+        outside: list[str] = []
+        for i in rows:
+            path = _inside(root, str(self.ids[i]))
+            if path is None:
+                outside.append(str(self.ids[i]))
+            else:
+                paths.append(path)
         if outside:  # checked before any file is touched: a store must not show images from elsewhere
             more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
             raise Unavailable(
@@ -342,10 +347,13 @@ def _heatmaps_section(ctx: _Context, method: str, count: int, layer: str | None)
         raise Unavailable(f"heatmaps need an image model; this one is a {info.kind} model")
     rows = _spread(ctx.valid, count)
     paths = ctx.image_paths(rows)
-    x = torch.stack([info.transform(load_image(p)) for p in paths])
+    transform = info.transform
+    assert transform is not None  # ModelInfo.__post_init__ fills in the default
+    x = torch.stack([transform(load_image(p)) for p in paths])
     device = place_model(model, None)
     explainer = cam.METHODS[method](model, layer)
     maps = explainer(x.to(device)).cpu()
+    assert explainer.logits is not None  # set by the call above
     probs = explainer.logits.detach().float().softmax(-1).cpu()
     # show the input as the model saw it (resized, cropped), its normalisation undone by a stretch to [0, 1]
     low = x.flatten(1).amin(1).view(-1, 1, 1, 1)
@@ -376,11 +384,11 @@ def _heatmaps_section(ctx: _Context, method: str, count: int, layer: str | None)
 
 def _pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The first two principal components' coordinates ``[N, 2]`` and shares of the variance."""
-    x = torch.from_numpy(x).double()
-    x = x - x.mean(0)
+    t = torch.from_numpy(x).double()
+    t = t - t.mean(0)
     # torch's LAPACK, not numpy's: OpenBLAS's threaded SVD takes seconds on a small matrix on a
     # busy 2-core machine, where torch's takes milliseconds
-    u, s, _ = torch.linalg.svd(x, full_matrices=False)
+    u, s, _ = torch.linalg.svd(t, full_matrices=False)
     var = s.square()
     share = (var[:2] / var.sum() if var.sum() > 0 else torch.zeros(2)).numpy()
     coords = (u[:, :2] * s[:2]).numpy()

@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from . import nested
-from .errors import LayerNotFoundError
 from .data import iter_batches
 from .distributed import Processes
+from .errors import LayerNotFoundError
 from .failures import explain_failures
 from .features import place_model, run_model
 from .loading import model_info
@@ -164,9 +164,9 @@ class Summary:
 
     def merge(self, other: Summary) -> Summary:
         """Both summaries together; per-channel moments are dropped if the channel counts differ."""
-        same = (
-            self.channels is not None and other.channels is not None and self.channels.n.shape == other.channels.n.shape
-        )
+        channels = None
+        if self.channels is not None and other.channels is not None and self.channels.n.shape == other.channels.n.shape:
+            channels = self.channels.merge(other.channels)
         if self.histogram is None or other.histogram is None:
             histogram = self.histogram or other.histogram
         else:
@@ -180,7 +180,7 @@ class Summary:
             lo=torch.minimum(self.lo, other.lo),
             hi=torch.maximum(self.hi, other.hi),
             total=self.total.merge(other.total),
-            channels=self.channels.merge(other.channels) if same else None,
+            channels=channels,
             histogram=histogram,
         )
 
@@ -280,14 +280,12 @@ class Recorder:
         """
         found = []
         for layer in view:
-            call = 0
-            for value in view[layer]:
+            for call, value in enumerate(view[layer]):
                 # the tap's markers are its only floating-point leaves: others are reduced
                 seqs = [int(m) for m in nested.tensors(value) if m.is_floating_point()]
-                summaries = [self.summaries[s] for s in seqs if self.summaries[s] is not None]
+                summaries = [m for m in (self.summaries[s] for s in seqs) if m is not None]
                 if summaries:
                     found.append(Call(seqs[0], layer, call, summaries))
-                call += 1
         return sorted(found)
 
 
@@ -378,6 +376,7 @@ class LayerStats:
             "dead_channels": list(self.dead_channels),
         }
         if self.channel_mean is not None:
+            assert self.channel_std is not None  # from_summary fills both or neither
             out["channel_mean"] = [_number(v) for v in self.channel_mean.tolist()]
             out["channel_std"] = [_number(v) for v in self.channel_std.tolist()]
         if self.histogram is not None:
@@ -456,7 +455,7 @@ class StatsTable(Mapping[str, LayerStats]):
 
     def __str__(self) -> str:
         per_channel = any(r.channel_mean is not None for r in self.rows.values())
-        head = ("layer", "type", "shape", "mean", "std", "min", "max", "zeros", "non-finite", "dead")
+        head: tuple[str, ...] = ("layer", "type", "shape", "mean", "std", "min", "max", "zeros", "non-finite", "dead")
         head += ("channel means", "channel stds", "flags") if per_channel else ("flags",)
         lines = [head]
         for key, r in self.rows.items():
@@ -470,7 +469,7 @@ class StatsTable(Mapping[str, LayerStats]):
                 if on
             )
             dead = f"{len(r.dead_channels)}/{r.channels}" if r.channels is not None else "?"
-            line = (
+            line: tuple[str, ...] = (
                 key,
                 r.module_type,
                 "x".join(map(str, r.shape)),
@@ -582,8 +581,8 @@ def stats(
     with explain_failures(model), torch.no_grad(), tap(model, names, keep="all", reduce=recorder) as taps:
         for batch in batches:
             run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
-            for call in recorder.calls(taps.outputs):
-                _merge(summaries, (call.layer, call.call), call.summaries[0])
+            for recorded in recorder.calls(taps.outputs):
+                _merge(summaries, (recorded.layer, recorded.call), recorded.summaries[0])
             taps.clear()
             recorder.clear()
     summaries = _merge_ranks(summaries)

@@ -827,7 +827,7 @@ class StoreLock:
         self.owner = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         self._fd: int | None = None
         self._renewed = 0.0

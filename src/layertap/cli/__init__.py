@@ -15,15 +15,16 @@ import sys
 from ..errors import MissingExtraError
 
 try:
-    from .core import run
-
     # the commands register themselves on the app of `core` when imported, in the order of --help
-    from . import inspect  # noqa: F401
-    from . import stats  # noqa: F401
-    from . import extract  # noqa: F401
-    from . import cam  # noqa: F401
-    from . import demo  # noqa: F401
-    from . import report  # noqa: F401
+    from . import (
+        cam,  # noqa: F401
+        demo,  # noqa: F401
+        extract,  # noqa: F401
+        inspect,  # noqa: F401
+        report,  # noqa: F401
+        stats,  # noqa: F401
+    )
+    from .core import run
 except MissingExtraError as missing:
     _MISSING = " ".join(str(missing).split())
 

@@ -150,6 +150,7 @@ def cam(
     where = place_model(net, device)
     info = model_info(net)
     transform = info.transform
+    assert transform is not None  # ModelInfo.__post_init__ fills in the default
     if size is not None or mean_values is not None or std_values is not None:
         # what is not overridden keeps the weights' statistics when the transform tells them
         transform = ImageTransform(
@@ -175,6 +176,7 @@ def cam(
             pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
             inputs = torch.stack([transform(p) for p in pictures])
             maps = explainer(inputs.to(where), class_index)
+            assert explainer.logits is not None  # set by the call above
             probs = explainer.logits.float().softmax(-1).cpu()
             for k, i in enumerate(chunk):
                 heat = maps[k].cpu()

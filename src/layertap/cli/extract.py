@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import cast
 
 import numpy as np
 
 from ..controls import REDUCTIONS
+from ..data import OnError
 from ..dataset import extract_dataset
 from ..distributed import launched
 from ..loading import load_model
-from ..store import FORMATS, Location, is_url, location, url_fs
+from ..store import FORMATS, Location, location, url_fs
 from ..units import human_bytes
 from .core import app, typer
 from .options import arch_option, model_argument, trust_option
@@ -19,14 +20,14 @@ from .options import arch_option, model_argument, trust_option
 DTYPES = ("float32", "float16", "float64")
 
 
-def _choice(value: Optional[str], choices: tuple[str, ...], option: str) -> Optional[str]:
+def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
     if value is not None and value not in choices:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=f"'{option}'")
     return value
 
 
 def _disk_size(path: Location) -> int:
-    if is_url(path):
+    if isinstance(path, str):  # a location is a str only when it is a URL
         fs, inner = url_fs(path)
         return fs.du(inner)
     files = [path] if path.is_file() else path.rglob("*")
@@ -45,22 +46,22 @@ def extract(
     out: str = typer.Option(
         ..., "--out", help="The store: a .zarr folder (default), a .h5 file, a folder with --format npy, or a Zarr URL (s3://bucket/f.zarr)."
     ),
-    reduce: Optional[str] = typer.Option(None, "--reduce", help=f"Pool each feature map: {', '.join(REDUCTIONS)}."),
-    format: Optional[str] = typer.Option(None, "--format", help="zarr, hdf5 or npy (default: from --out, else zarr)."),
+    reduce: str | None = typer.Option(None, "--reduce", help=f"Pool each feature map: {', '.join(REDUCTIONS)}."),
+    format: str | None = typer.Option(None, "--format", help="zarr, hdf5 or npy (default: from --out, else zarr)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Inputs per forward."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=0, help="Processes reading images (default: a few)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Run on this device, e.g. cuda or cuda:1 (default: cpu)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=f"Store features as {', '.join(DTYPES)}."),
+    workers: int | None = typer.Option(None, "--workers", min=0, help="Processes reading images (default: a few)."),
+    device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda or cuda:1 (default: cpu)."),
+    dtype: str | None = typer.Option(None, "--dtype", help=f"Store features as {', '.join(DTYPES)}."),
     on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store (default: resume it)."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
-    max_image_pixels: Optional[int] = typer.Option(
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
+    max_image_pixels: int | None = typer.Option(
         None, "--max-image-pixels", min=0, help="Refuse images of more than N pixels (default: PIL's limit, about 179 million; 0: no limit)."
     ),
-    chunk_size: Optional[int] = typer.Option(
+    chunk_size: int | None = typer.Option(
         None, "--chunk-size", min=1, help="Samples per chunk: the unit of writing, resuming and sharing among processes (default: ~16 MB)."
     ),
-    arch: Optional[str] = arch_option(),
+    arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
     """Run MODEL over every sample of DATA and write the features of --layers to --out, chunk by
@@ -74,12 +75,12 @@ def extract(
     _choice(dtype, DTYPES, "--dtype")
     _choice(on_error, ("fail", "skip"), "--on-error")
     net = load_model(model, arch=arch, trust=trust)
-    out = location(out)
+    target = location(out)
     store = extract_dataset(
         net,
         str(data),
         layers,
-        out,
+        target,
         reduce=reduce,
         dtype=dtype,
         batch_size=batch_size,
@@ -87,7 +88,7 @@ def extract(
         device=device,
         format=format,
         overwrite=overwrite,
-        on_error=on_error,
+        on_error=cast(OnError, on_error),  # _choice above has checked it
         limit=limit,
         chunk_size=chunk_size,
         max_image_pixels=max_image_pixels,
@@ -96,7 +97,7 @@ def extract(
         if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job
             return
         arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
-        typer.echo(f"wrote {store.num_samples} samples to {out} ({store.format}, {human_bytes(_disk_size(out))}): {arrays}")
+        typer.echo(f"wrote {store.num_samples} samples to {target} ({store.format}, {human_bytes(_disk_size(target))}): {arrays}")
         if store.labels is not None:
             # rows of failed samples are not valid, and images outside any class folder are labelled -1
             labels = store.labels[store.valid]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from ..errors import ModelLoadError
 from ..loading import DEFAULT_SPEC, load_model, model_info, spec_kind
 from ..summary import summary
@@ -37,6 +39,7 @@ def inspect(
         except ModelLoadError as e:
             raise typer.BadParameter(" ".join(str(e).split()), param_hint="'--arch'") from e
     net = load_model(model, arch=arch, trust=trust)
-    example = model_info(net).example(input_shape)
+    # parse_shape, the option's callback, has made the text a shape
+    example = model_info(net).example(cast("tuple[int, ...] | None", input_shape))
     table = summary(net, example, layers=layers or None, depth=depth)
     typer.echo(table.to_json(indent=2) if as_json else str(table))

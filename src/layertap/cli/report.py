@@ -45,7 +45,7 @@ def report(
     where = location(store)
     if is_url(where) and out is None:
         raise typer.BadParameter(f"{store} is a URL: say where the page goes with --out", param_hint="'--out'")
-    if not is_url(where) and not where.exists():
+    if isinstance(where, Path) and not where.exists():  # a location is a str only when it is a URL
         raise typer.BadParameter(f"no feature store at {store}", param_hint="'STORE'")
     # "." and ".." name no store: the absolute path does (symlinks kept, so it is beside the name given)
     target = out or Path(os.path.abspath(where)).with_suffix(".html")

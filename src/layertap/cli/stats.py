@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from ..loading import load_model
 from ..stats import stats as layer_stats
@@ -15,7 +14,7 @@ from .options import arch_option, model_argument, trust_option
 def stats(
     model: str = model_argument(),
     data: Path = typer.Argument(..., exists=True, help="The inputs: an image folder, an image file or a .npy array."),
-    layers: Optional[list[str]] = typer.Option(
+    layers: list[str] | None = typer.Option(
         None,
         "--layers",
         help="Only these layers (names, globs like 'layer*', 're:REGEX'); repeatable. Default: every leaf module.",
@@ -23,11 +22,11 @@ def stats(
     per_channel: bool = typer.Option(False, "--per-channel", help="Also report each channel's mean and std."),
     bins: int = typer.Option(0, "--bins", min=0, help="Add a histogram of at most N bins per layer (in --json)."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Inputs per forward."),
-    device: Optional[str] = typer.Option(
+    device: str | None = typer.Option(
         None, "--device", help="Run on this device, e.g. cuda:0 (default: where the weights are)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
-    arch: Optional[str] = arch_option(),
+    arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
     """Mean, std, min, max, zeros and NaN/Inf of every layer's output over DATA, in one pass;

@@ -235,6 +235,7 @@ def generate(n: int, seed: int = 0, size: int = 64) -> ShapesBatch:
 
     cols = masks.any(axis=1)  # [n, W]
     rows = masks.any(axis=2)  # [n, H]
+    assert isinstance(cols, np.ndarray) and isinstance(rows, np.ndarray)  # masks is 3-D: one axis reduced leaves 2
     x0 = cols.argmax(axis=1)
     x1 = size - cols[:, ::-1].argmax(axis=1)
     y0 = rows.argmax(axis=1)
