@@ -1,5 +1,7 @@
 """Heatmaps (layertap.cam) against pytorch-grad-cam, on CNNs, ViTs, Swin and Hugging Face models."""
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 import pytorch_grad_cam as P  # the reference: grad-cam, a test dependency
@@ -232,6 +234,98 @@ def test_hugging_face_wrapper_with_pooled_output_is_not_chosen_and_warns():
     # ResNetModel pools its last map inside itself: the head never sees its returned map
     with pytest.warns(ZeroGradientWarning, match="pooled output.*'resnet.encoder' gets a gradient"):
         GradCAM(model, "resnet")(x)
+
+
+class UnusedMaps(nn.Module):
+    """After each conv a map that is never used (as DLA's ``level4.project``), then a global pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.unused1 = nn.Conv2d(8, 8, 1)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.unused2 = nn.Conv2d(16, 16, 1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.conv1(x).relu()
+        self.unused1(x)
+        x = self.conv2(x).relu()
+        self.unused2(x.detach())  # (a side output: nothing flows back to the input through it)
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("method", [GradCAM, EigenCAM])
+def test_default_layer_never_takes_an_unused_map(method):
+    # the unused maps used to pass for a layer that gathers the map (Grad-CAM chose conv1) or for
+    # the last map (gradient-free methods chose unused2): only outputs the score depends on count
+    cam = method(UnusedMaps().eval())
+    cam(torch.randn(2, 3, 32, 32))
+    assert cam.layers == ["conv2"]
+
+
+def test_default_layer_skips_class_score_maps_and_dropout():
+    # SqueezeNet's head: a 1x1 conv to one channel per class, ReLU, global pool; its maps are class
+    # scores (only the target's channel gets a gradient), and the Dropout before returns its input
+    torch.manual_seed(0)
+    features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU())
+    classifier = nn.Sequential(nn.Dropout(), nn.Conv2d(8, 5, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    model = nn.Sequential(OrderedDict(features=features, classifier=classifier)).eval()
+    cam = GradCAM(model)
+    cam(torch.randn(2, 3, 32, 32), [1, 3])
+    assert cam.layers == ["features"]
+
+
+class ClassAttention(nn.Module):
+    """CaiT's class attention: the class token's query reads keys and values of every token."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        attn = (self.q(x[:, :1]) @ self.k(x).transpose(1, 2)).softmax(-1)
+        return attn @ self.v(x)
+
+
+class ClassTokenModel(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, dim, 8, stride=8)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.attn = ClassAttention(dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        tokens = self.embed(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls.expand(len(x), -1, -1), tokens], 1)
+        return self.head(self.attn(self.norm(tokens))[:, 0])
+
+
+def test_default_layer_is_the_input_of_the_attention_not_its_value_projection():
+    # k and v are the last maps that flow, but they are computed inside the step that gathers
+    # the patches into the class token: the layer is that step's input
+    torch.manual_seed(0)
+    cam = GradCAM(ClassTokenModel().eval())
+    cam(torch.randn(2, 3, 32, 32))
+    assert cam.layers == ["norm"]
+    assert cam.layouts["norm"] == Layout("tokens", (4, 4), prefix=1)
+
+
+def test_gradient_free_default_layer_without_any_gradient():
+    # torchvision's untrained ViT zero-initialises its head: no map flows into the score. Grad-CAM
+    # has nothing to explain; EigenCAM needs no gradient and takes the last map the backward reaches
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=3
+    ).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(LayertapError, match="gradient of the score is zero at every layer"):
+        GradCAM(model)(x)
+    cam = EigenCAM(model)
+    assert cam(x).shape == (1, 32, 32)
+    assert cam.layers == ["encoder"]
 
 
 # ---------------------------------------------------------------------------------- robustness

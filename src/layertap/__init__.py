@@ -18,6 +18,7 @@ from .errors import (
     LayerNotFoundError,
     LayerNotRunError,
     LayertapError,
+    LayoutError,
     MissingExtraError,
     ModelLoadError,
     RankFailedError,
@@ -76,4 +77,5 @@ __all__ = [
     "DataError",
     "CorruptImageError",
     "ModelLoadError",
+    "LayoutError",
 ]

@@ -31,19 +31,21 @@ import itertools
 import math
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import nested
-from .errors import LayertapError
+from .errors import ArgumentError, LayertapError, LayoutError, TapError
 from .failures import explain_failures
 from .features import run_model
-from .select import Layers, select
+from .select import Layers, named_layers, select
 from .tap import tap
 
 Targets = int | Sequence[int] | torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
@@ -51,10 +53,6 @@ OutputPick = str | Callable[[Any], torch.Tensor] | None
 
 MAX_PREFIX_TOKENS = 32  # more prefix tokens than this are never guessed: pass prefix_tokens=
 _EPS = 1e-7  # pytorch-grad-cam's normalisation epsilon
-
-
-class LayoutError(LayertapError):
-    """A layer's activation cannot be read as a spatial or token map."""
 
 
 class ZeroGradientWarning(UserWarning):
@@ -178,6 +176,7 @@ def pick_logits(output: Any, pick: OutputPick = None) -> torch.Tensor:
 
     ``pick`` overrides: an attribute or key name, or a callable ``f(output) -> tensor``.
     """
+    found: Any
     if callable(pick):
         found = pick(output)
     elif isinstance(pick, str):
@@ -191,7 +190,7 @@ def pick_logits(output: Any, pick: OutputPick = None) -> torch.Tensor:
         if not isinstance(found, torch.Tensor):
             found = nested.first_tensor(output)
     if not isinstance(found, torch.Tensor) or not found.is_floating_point():
-        raise LayertapError(
+        raise ArgumentError(
             f"cannot find the scores to explain in the model output ({type(output).__name__}"
             f"{'' if pick is None else f', output={pick!r}'}): pass output= as the attribute or key of the "
             "logits, or a function output -> tensor [batch, classes]"
@@ -205,7 +204,7 @@ def resolve_targets(logits: torch.Tensor, targets: Targets) -> list[int] | Calla
         return targets
     batch = logits.shape[0]
     if logits.dim() < 2:
-        raise LayertapError(
+        raise ArgumentError(
             f"the scored output has shape {list(logits.shape)}, with no class dim to index: pass "
             "targets=f where f(output) -> one score per image"
         )
@@ -216,13 +215,13 @@ def resolve_targets(logits: torch.Tensor, targets: Targets) -> list[int] | Calla
         targets = targets.tolist()
     if isinstance(targets, Sequence):
         if len(targets) != batch:
-            raise LayertapError(f"got {len(targets)} targets for a batch of {batch}: give one class per image, or one int")
+            raise ArgumentError(f"got {len(targets)} targets for a batch of {batch}: give one class per image, or one int")
         chosen = [operator.index(t) for t in targets]
     else:
         chosen = [operator.index(targets)] * batch
     bad = [c for c in chosen if not 0 <= c < classes]
     if bad:
-        raise LayertapError(f"target class {bad[0]} is out of range: the output has {classes} classes")
+        raise ArgumentError(f"target class {bad[0]} is out of range: the output has {classes} classes")
     return chosen
 
 
@@ -236,7 +235,7 @@ def score(logits: torch.Tensor, targets: list[int] | Callable) -> torch.Tensor:
     if callable(targets):
         scores = targets(logits)
         if not isinstance(scores, torch.Tensor) or scores.shape != logits.shape[:1]:
-            raise LayertapError(
+            raise ArgumentError(
                 f"targets(output) must return one score per image, shape [{logits.shape[0]}]; got "
                 f"{list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}"
             )
@@ -271,12 +270,27 @@ class _Call(NamedTuple):
     targets: list[int] | Callable
 
 
-class _Candidate(NamedTuple):
+class _Seen(NamedTuple):
+    """One module as the default-layer probe saw it (at its last call)."""
+
     name: str
-    shape: tuple[int, ...]
-    layout: Layout
-    map_grad: bool  # the gradient reaches the map part of the output (not only prefix tokens)
-    input_grad: bool  # ... of some input
+    layout: Layout | None  # its first floating-point output read as a map (None: not a map)
+    channels: int  # that map's channels
+    flows: bool  # some output tensor of it flows into the score: the backward reached it
+    grad_channels: int  # channels of that map whose map part (not prefix tokens) gets a non-zero gradient
+    passes: str | None  # the module whose output it returned unchanged (an eval Dropout, an Identity)
+    reads: frozenset[str]  # the modules whose outputs it was given as they were returned
+
+
+def _channels_reached(layout: Layout, mask: np.ndarray) -> int:
+    """How many channels of a map's non-zero-gradient mask (one image, ``shape[1:]``) are non-zero."""
+    if layout.kind == "channels_first":
+        per_channel = mask.reshape(mask.shape[0], -1).any(1)
+    elif layout.kind == "channels_last":
+        per_channel = mask.reshape(-1, mask.shape[-1]).any(0)
+    else:
+        per_channel = mask[layout.prefix :].any(0)
+    return int(per_channel.sum())
 
 
 # ---------------------------------------------------------------------------------- the base
@@ -287,10 +301,12 @@ class CAM:
         model: any ``nn.Module``; its mode (``train``/``eval``) and its parameters'
             ``requires_grad`` are left as they are, and no hook stays behind.
         layer: the layer(s) to explain (names, globs, classes... as `layertap.select`); several
-            layers' maps are averaged. ``None`` picks the last layer with a spatial or token map
-            through which the gradient reaches the score (a ViT's last ``norm1``, a ResNet's
-            ``layer4``; see `_default_layer`), at the first call, at the cost of one forward and
-            backward through the whole network; `layers` names it afterwards.
+            layers' maps are averaged. ``None`` picks the layer nearest the output whose spatial
+            or token map still flows into the score: a ResNet's ``layer4``, a ViT's last ``norm1``
+            (the input of the attention where the class token reads the patches), never an unused
+            output, a map of class scores or a key/value projection (see `_default_layer`). It is
+            chosen at the first call, for the cost of one forward and backward through the whole
+            network on one image, with any method; `layers` names it afterwards.
         output: what to score in the model's output when it is not a tensor: an attribute/key
             name or ``f(output) -> tensor``; default ``.logits`` or the first tensor.
         grid, prefix_tokens: override the layout inference (`infer_layout`) for every layer.
@@ -329,16 +345,15 @@ class CAM:
     # -------------------------------------------------------------- the public call
     def __call__(self, inputs: torch.Tensor, targets: Targets = None) -> torch.Tensor:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 3:
-            raise LayertapError(
+            raise ArgumentError(
                 f"inputs must be one tensor [batch, channels, *spatial] (e.g. [B, 3, H, W]); got "
                 f"{list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__}"
             )
         if torch.is_inference_mode_enabled():
-            raise LayertapError("heatmaps need autograd: call the method outside torch.inference_mode()")
+            raise TapError("heatmaps need autograd: call the method outside torch.inference_mode()")
         size = tuple(inputs.shape[2:])
         if self.layers is None:  # one image is enough to find the layer: the probe is a full backward
-            per_image = isinstance(targets, (list, tuple)) or (isinstance(targets, torch.Tensor) and targets.dim())
-            first = targets[:1] if per_image else targets
+            first = targets[:1] if isinstance(targets, (list, tuple)) or (isinstance(targets, torch.Tensor) and targets.dim()) else targets
             self.layers = [self._default_layer(inputs[:1], first)]
         acts, grads, call = self._run(inputs, targets)
         maps = []
@@ -468,116 +483,193 @@ class CAM:
             stacklevel=4,
         )
 
-    def _candidates(self, inputs: torch.Tensor, targets: Targets) -> list[_Candidate]:
-        """Every layer with a map, in the order its (last) call finished, with gradient reach."""
+    def _probe(self, inputs: torch.Tensor, targets: Targets) -> list[_Seen]:
+        """Every module the forward ran, in the order its (last) call finished, as `_Seen`.
+
+        One forward and backward on ``inputs`` with every module hooked (the hooks go when it
+        ends). A forward hook notes the layout of the module's first floating-point output and
+        hands on a copy of each floating-point output: the copy's own gradient hook then sees only
+        the uses after the module returned (not a pooled output the module computed from it, as
+        in `_run`), and the copy, found again in a later module's arguments by a pre-hook, tells
+        who reads it.
+        """
         size = tuple(inputs.shape[2:])
-        finished: dict[str, int] = {}
-        order = itertools.count()
+        outs: dict[str, tuple[Layout | None, int]] = {}  # in the order modules finish
+        calls: dict[str, int] = {}
+        masks: dict[str, np.ndarray] = {}
+        flows: set[str] = set()
+        made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        maker: dict[int, str] = {}  # id of a copy handed on -> the module that returned it
+        passes: dict[str, str] = {}
+        reads: dict[str, frozenset[str]] = {}
 
-        def note(name: str, out: Any) -> Any:
-            finished[name] = next(order)
-            t = next((t for t in nested.tensors(out) if t.is_floating_point()), None)
-            # a copy, watched instead of the tensor itself, gets only the gradient from uses after
-            # the layer returned (not from a pooled output the layer computed from it), as in `_run`
-            return None if t is None or not t.requires_grad else _replace_first(out, t.clone())
+        def producers(value: Any) -> list[str]:
+            return [maker[id(t)] for t in nested.tensors(value) if made.get(id(t)) is t]
 
-        def nonzero(t: torch.Tensor) -> torch.Tensor:
-            # per position, over the batch: small, never a copy of the activation; floating, so
-            # that the first floating tensor is the same one `_run` would use
-            return t.ne(0).any(0).half()
+        def reader(name: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                reads[name] = frozenset(producers((args, kwargs)))
 
-        def map_of(values: list, index: int | None) -> tuple[tuple[int, ...], Layout] | None:
-            if index is None or values[index] is None or values[index].dim() == 0:
-                return None
-            shape = (inputs.shape[0], *values[index].shape)
-            try:
-                layout = infer_layout(shape, size, grid=self.grid, prefix_tokens=self.prefix_tokens)
-            except LayoutError:
-                return None
-            return (shape, layout) if math.prod(layout.grid) > 1 else None
+            return hook
 
-        def reaches(values: list, index: int | None) -> bool:
-            found = map_of(values, index)
-            return found is not None and bool(found[1].maps(values[index][None]).any())
+        def watch(name: str, call: int, first: bool) -> Callable:
+            def hook(grad: torch.Tensor) -> None:
+                if calls[name] == call:  # the module's last call, as `outs` has it
+                    flows.add(name)
+                    if first:  # per position, over the batch: small, never a copy of the activation
+                        masks[name] = grad.ne(0).any(0).cpu().numpy()
 
-        capture = ("output", "grad", "grad_input") if self.uses_gradients else ("output",)
-        grad_mode = torch.enable_grad() if self.uses_gradients else torch.no_grad()
-        x = inputs.detach().requires_grad_(self.uses_gradients and inputs.is_floating_point())
-        every = tap(self.model, lambda n, m: True, capture=capture, reduce=nonzero, edit=note)
-        with explain_failures(self.model), grad_mode, every as taps:
-            output = run_model(self.model, x)
-            if self.uses_gradients:
+            return hook
+
+        def note(name: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+                floats = [t for t in nested.tensors(out) if t.is_floating_point()]
+                layout = self._map_layout(floats[0].shape, size) if floats else None
+                outs.pop(name, None)  # a module called again finishes again
+                outs[name] = (layout, 0 if layout is None else floats[0].shape[1 if layout.kind == "channels_first" else -1])
+                calls[name] = call = calls.get(name, 0) + 1
+                source = producers(floats[:1])
+                passes.pop(name, None)
+                if source and source[0] != name and not source[0].startswith(name + "."):  # (a container returns its child's)
+                    passes[name] = source[0]  # it returned its input unchanged
+
+                def copy(t: torch.Tensor) -> torch.Tensor:
+                    if not (t.is_floating_point() and t.requires_grad):
+                        return t
+                    new = t.clone()
+                    made[id(new)], maker[id(new)] = new, name
+                    new.register_hook(watch(name, call, t is floats[0]))
+                    return new
+
+                return nested.map_leaves(copy, out)
+
+            return hook
+
+        x = inputs.detach().requires_grad_(inputs.is_floating_point())
+        handles = []
+        try:
+            for name, module in named_layers(self.model).items():
+                if name:
+                    handles.append(module.register_forward_pre_hook(reader(name), with_kwargs=True))
+                    handles.append(module.register_forward_hook(note(name)))
+            with explain_failures(self.model), torch.enable_grad():
+                output = run_model(self.model, x)
                 scores, _ = self._scores(output, targets)
                 if scores.requires_grad:
                     torch.autograd.grad(scores.sum(), x, allow_unused=True)
-        found = []
-        for name in sorted(finished, key=finished.__getitem__):
-            outs = _leaves(taps.outputs[name])
-            first = next((i for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-            spot = map_of(outs, first)
-            if spot is None:
-                continue
-            out_grad = _leaves(taps.grads[name]) if name in taps.grads else []
-            in_grad = _leaves(taps.grad_inputs[name]) if name in taps.grad_inputs else []
-            found.append(
-                _Candidate(
-                    name,
-                    *spot,
-                    map_grad=bool(out_grad) and reaches(out_grad, first),
-                    input_grad=any(reaches(in_grad, i) for i in range(len(in_grad))),
-                )
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [
+            _Seen(
+                name,
+                layout,
+                channels,
+                flows=name in flows,
+                grad_channels=_channels_reached(layout, masks[name]) if layout and name in masks else 0,
+                passes=passes.get(name),
+                reads=reads.get(name, frozenset()),
             )
-        return found
+            for name, (layout, channels) in outs.items()
+        ]
+
+    def _map_layout(self, shape: Sequence[int], size: Sequence[int]) -> Layout | None:
+        """The layout of an activation as a map of more than one position, or None."""
+        try:
+            layout = infer_layout(shape, size, grid=self.grid, prefix_tokens=self.prefix_tokens)
+        except LayoutError:
+            return None
+        return layout if math.prod(layout.grid) > 1 else None
 
     def _default_layer(self, inputs: torch.Tensor, targets: Targets) -> str:
-        """The last map the gradient reaches, before the last step that gathers the map elsewhere.
+        """The layer nearest the output whose spatial or token map still flows into the score.
 
-        A "gathering" layer is one whose input gets a map gradient but whose output map does not:
-        in a transformer, the last attention, where the class token reads the patches. The layer
-        chosen is the last one (of the final map's shape, if any) finishing before the innermost,
-        last such layer starts: e.g. a ViT's last ``norm1`` rather than a key/value projection. A
-        gathering layer with nothing reached before it (a wrapper whose head reads a pooled
-        output it computed itself) is skipped.
+        The problem: the last module with a map is often not the map the score depends on. A
+        model pools its last map (a CNN's global pool) or lets class tokens read it (the last
+        attention of a ViT or PiT, CaiT's class attention, CrossViT's cross attention), and what
+        runs later with a map layout no longer carries it: a ViT's final norm reaches the score
+        only through its class token. A module whose output is never used (DLA's
+        ``level4.project``) and a head of per-class maps (SqueezeNet's last conv, VOLO's
+        ``aux_head``: class scores, where Grad-CAM's channel weights are one-hot) have maps too,
+        an attention's key/value projections (CaiT's ``attn.v``) are maps inside the step that
+        reads the patches, and an eval-mode Dropout returns the map it was given.
+
+        The rule, from one probe (`_probe`: a forward and a backward on one image, every
+        module hooked, in the order the modules finish):
+
+        1. A *map* is a module's first floating-point output read as a spatial or token map of
+           the whole input (`infer_layout`), with more than one position.
+        2. It *flows* when the backward from the score reaches that very output (autograd
+           reachability: an unused output never does) with a non-zero gradient on its map
+           part, not only on prefix (class) tokens, and it is not a *class-score map*: one whose
+           gradient lies in a single channel and that has as many channels as the scored output
+           has classes.
+        3. A *gathering step* is a module given a flowing map (its very output, as returned)
+           whose own output still reaches the score but whose map does not flow, or is no map:
+           a global pool, an attention whose class tokens read the patches.
+        4. The layer is the last flowing map to finish, unless no gathering step is given it
+           and it lies inside one: then it was computed inside the step from the step's input (a
+           key or value projection, LeViT's subsampling attention's ``kv``), and the layer is
+           the last flowing map to finish before the innermost such step starts, i.e. its input
+           (a ViT's last ``norm1``, CaiT's last class-attention ``norm1``). A step with no flowing
+           map before it (a Hugging Face wrapper that pools inside itself) is passed over.
+        5. A module that returned its input unchanged (an eval Dropout, an Identity) gives way to
+           the module that made the value (SqueezeNet's ``features``, not ``classifier.0``).
+
+        So a module that joins branches (Inception's ``Mixed_7c``, HRNet's ``final_layer``)
+        finishes after them and is chosen, and of branches never joined as maps (CrossViT's two
+        patch sizes), the one read last, nearest the output. A map that only a functional op
+        pools (LeViT's ``mean``) is found as well as one a module pools.
+
+        The cost: one forward and backward through the whole network on one image, at the
+        first call only, with a copy of every module's floating-point outputs (each module keeps
+        a non-zero mask of its gradient, no activation). Gradient-free methods (EigenCAM,
+        ScoreCAM) use the same rule and pay the same backward; where every gradient is zero (a
+        zero-initialised head) they take the last map the backward reaches.
         """
-        candidates = self._candidates(inputs, targets)
-        if not candidates:
+        seen = self._probe(inputs, targets)
+        maps = [s for s in seen if s.layout is not None]
+        if not maps:
             raise LayoutError(
                 f"no layer of the model gives a spatial or token map for an input of size "
                 f"{list(inputs.shape[2:])}: pass layer= (and grid= if its layout cannot be inferred)"
             )
-        last = candidates[-1]
-        if not self.uses_gradients:
-            return last.name
-        gathers = [c for c in candidates if c.input_grad and not c.map_grad]
-        innermost = [g for g in gathers if not any(o.name.startswith(g.name + ".") for o in gathers)]
-        reached = [c for c in candidates if c.map_grad]
-        for end in reversed(innermost):  # skip one that wraps all (a pooled output read by the head)
-            before = candidates[: candidates.index(end)]
-            pool = [c for c in reached if c in before and not c.name.startswith(end.name + ".")]
-            if pool:
-                reached = pool
-                break
-        if not reached:
-            raise LayertapError(
+        by_name = {s.name: s for s in seen}
+
+        def origin(name: str) -> str:  # through the modules that returned their input unchanged
+            while name in by_name and by_name[name].passes in by_name:
+                name = by_name[name].passes  # type: ignore[assignment]
+            return name
+
+        classes = self.logits.shape[1] if self.logits is not None and self.logits.dim() >= 2 else None
+        flowing = [s for s in maps if s.grad_channels and not (s.grad_channels == 1 and s.channels == classes)]  # 1, 2
+        if not flowing:
+            if not self.uses_gradients:  # (a zero-initialised head) the last map the backward reaches
+                return origin(([s for s in maps if s.flows] or maps)[-1].name)
+            raise LayoutError(
                 "the gradient of the score is zero at every layer with a spatial or token map, for these "
                 "inputs: check that the output depends on the input differentiably (a zero-initialised "
                 "head, such as torchvision's untrained ViT, gives zero gradients), or pass layer="
             )
-        same = [c for c in reached if c.shape == last.shape]
-        return (same or reached)[-1].name
-
-
-def _leaves(obj: Any) -> list[Any]:
-    """Tensor (and ``None``) leaves in order: an output and its gradient structure align."""
-    found: list[Any] = []
-    nested.map_leaves(found.append, obj, leaf=(torch.Tensor, type(None)))
-    return found
+        mapped = {origin(s.name) for s in maps if s.grad_channels}
+        steps = [s for s in seen if s.flows and not s.grad_channels and {origin(r) for r in s.reads} & mapped]  # 3
+        chosen = flowing[-1]  # 4
+        if not any(origin(chosen.name) in {origin(r) for r in s.reads} for s in steps):
+            position = {s.name: i for i, s in enumerate(seen)}
+            around = [s for s in steps if chosen.name.startswith(s.name + ".")]
+            for step in sorted(around, key=lambda s: len(s.name), reverse=True):  # they nest: innermost first
+                inside = step.name + "."
+                before = [f for f in flowing if position[f.name] < position[step.name] and not f.name.startswith(inside)]
+                if before:
+                    chosen = before[-1]
+                    break
+        return origin(chosen.name)  # 5
 
 
 def _first_float(obj: Any, name: str) -> torch.Tensor:
     t = next((t for t in nested.tensors(obj) if t.is_floating_point()), None)
     if t is None:
-        raise LayertapError(
+        raise LayoutError(
             f"layer {name!r} outputs no floating-point tensor ({type(obj).__name__}), so it has no map "
             "to explain: choose another layer"
         )

@@ -39,6 +39,10 @@ class TapError(LayertapError, RuntimeError):
     """A tap was asked for something it cannot do in this setting (e.g. gradients under no_grad)."""
 
 
+class LayoutError(LayertapError, ValueError):
+    """A layer's activation cannot be read as a spatial or token map (for heatmaps)."""
+
+
 class LayerForwardError(LayertapError, RuntimeError):
     """The model's forward raised inside a layer; the message names the layer and its inputs.
 
