@@ -141,3 +141,78 @@ def test_13_named_modules_names_and_shared_modules():
     assert "0.0" in names and model.get_submodule("0.0") is shared
     assert "1" not in names  # dropped as a duplicate of '0.0'
     assert "1" in dict(model.named_modules(remove_duplicate=False))
+
+
+def test_14_hook_on_a_view_is_lost_when_the_view_is_changed_in_place():
+    lin = nn.Linear(3, 3)
+    h = lin(torch.randn(2, 4, 3))  # Linear on a 3-D input returns a view of a 2-D result
+    assert h._is_view()
+    fired = []
+    h.register_hook(lambda g: fired.append(g))
+    h.relu_()  # rebases the view's history: the node holding the hook is left out of the graph
+    h.sum().backward()
+    assert fired == []  # this is why layertap hooks a non-view alias of a view
+
+
+def test_15_detach_in_a_custom_function_is_a_non_view_alias_that_keeps_hooks():
+    class Alias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 4, 3)
+    h = lin(x)
+    a = Alias.apply(h)
+    assert not a._is_view() and a.data_ptr() == h.data_ptr()
+    version = h._version
+    got = {}
+    a.register_hook(lambda g: got.update(g=g))
+    a.relu_()
+    assert h._version != version and bool((h >= 0).all())  # one version counter, one memory
+    (a * torch.arange(3.0)).sum().backward()
+    ref_in = lin(x).detach().requires_grad_()
+    (ref,) = torch.autograd.grad((torch.relu(ref_in) * torch.arange(3.0)).sum(), ref_in)
+    torch.testing.assert_close(got["g"], ref, rtol=0, atol=0)  # the same ops on the same values
+    sig = torch.sigmoid(torch.randn(2, 2, 2, requires_grad=True))  # sigmoid saves its output
+    Alias.apply(sig.flatten(1)).sum().backward()  # no version bump: its backward still runs
+
+
+def test_16_a_leaf_and_its_views_cannot_be_changed_in_place_and_leaf_hooks_stay():
+    x = torch.randn(2, 2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.relu_()
+    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+        x.view_as(x).relu_()
+    x.register_hook(lambda g: None)
+    (x * 2).sum().backward()
+    assert len(x._backward_hooks) == 1  # a hook on a leaf outlives every backward
+    v = x.view_as(x)
+    v.register_hook(lambda g: None)
+    assert len(x._backward_hooks) == 1  # one on a view of it stays with the view
+
+
+def test_17_packed_sequence_keeps_batch_sizes_on_the_cpu():
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+    seq = pack_sequence([torch.randn(3, 2), torch.randn(1, 2), torch.randn(2, 2)], enforce_sorted=False)
+    moved = seq.to("meta")
+    assert moved.data.device.type == "meta" and moved.sorted_indices.device.type == "meta"
+    assert moved.batch_sizes.device.type == "cpu" and moved.batch_sizes.dtype == torch.int64
+    with pytest.raises(ValueError, match="batch_sizes should always be on CPU"):
+        PackedSequence(seq.data, seq.batch_sizes.to("meta"), seq.sorted_indices, seq.unsorted_indices)
+
+
+def test_18_torch_compile_wraps_the_model_in_an_optimized_module_as_orig_mod():
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model, backend="eager")
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    assert type(compiled) is OptimizedModule and compiled._orig_mod is model
+    assert [n for n, _ in compiled.named_modules()] == ["", "_orig_mod"]
+    dp = nn.DataParallel(model)
+    assert dp.module is model and [n for n, _ in dp.named_modules()] == ["", "module"]

@@ -9,6 +9,7 @@ from torch import nn
 
 import layertap
 from layertap import LayerNotFoundError
+from layertap.select import named_layers
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,42 @@ def test_compile_prefix_resolves_and_shared_module_keeps_first_name():
     assert layertap.select(compiled, "a") == ["a"]
     with pytest.raises(LayerNotFoundError):  # named_modules() reports a shared module once
         layertap.select(model, "b")
+
+
+class EMA(nn.Module):
+    """An EMA / weight-norm style wrapper: it holds the model as ``self.module``, as DDP does."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+        self._orig_mod = nn.Linear(2, 2)  # not torch.compile's: an ordinary child of that name
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_children_named_module_and_orig_mod_are_ordinary_layers():
+    model = EMA(nn.Sequential(nn.Linear(2, 3), nn.ReLU()))
+    reference = [n for n, _ in model.named_modules() if n]  # no wrapper here: the names as they are
+    assert layertap.select(model, "**") == reference
+    assert "module" in reference and "module.0" in reference and "_orig_mod" in reference
+    assert layertap.select(model, "module") == ["module"]
+    assert layertap.select(model, "module.*") == ["module.0", "module.1"]
+    assert layertap.select(model, "_orig_mod") == ["_orig_mod"]
+    assert named_layers(model)["module.0"] is model.module[0]
+
+
+def test_only_a_real_wrappers_segment_is_dropped():
+    inner = EMA(nn.Sequential(nn.Linear(2, 3)))
+    dp = nn.DataParallel(inner)  # names gain one 'module.': 'module.module.0'
+    raw = [n for n, _ in dp.named_modules()]
+    assert "module.module.0" in raw
+    assert layertap.select(dp, "**") == [n.removeprefix("module.") for n in raw if n.count(".") >= 1]
+    for name in ("module.0", "module.module.0"):  # without and with the wrapper's prefix
+        assert layertap.select(dp, name) == ["module.0"]
+    assert layertap.select(dp, "module") == ["module"]  # EMA's child, not the wrapped model
+    assert layertap.select(dp, "module.module") == ["module"]
+    compiled = torch.compile(inner)
+    assert layertap.select(compiled, "_orig_mod.module.0") == layertap.select(compiled, "module.0") == ["module.0"]
+    assert layertap.select(compiled, "_orig_mod") == ["_orig_mod"]  # EMA's own child of that name
+    assert named_layers(compiled)[""] is inner

@@ -267,3 +267,65 @@ def test_layer_table_lookup():
     assert table[1] is table["act"] and table[-1].name == "unused"
     with pytest.raises(KeyError, match="no layer 'nope'"):
         table["nope"]
+
+
+class EMA(nn.Module):
+    """An EMA / weight-norm style wrapper: the model is ``self.module``, as under DDP."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_a_child_named_module_keeps_its_rows():
+    model = EMA(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    x = torch.randn(3, 4)
+    order, calls, outputs = reference_calls(model, x)
+    table = summary(model, x)
+    assert table.names == order == ["", "module", "module.0", "module.1", "module.2"]
+    assert {row.name: row.calls for row in table} == calls
+    assert {row.name: row.to_dict()["output"] for row in table} == outputs
+    dp = summary(nn.DataParallel(model), x)  # only the real wrapper's segment is dropped
+    assert dp.names == order
+
+
+def packed_reader():
+    from torch.nn.utils.rnn import pack_sequence
+
+    class Reader(nn.Module):
+        def __init__(self, features=3):
+            super().__init__()
+            self.lstm = nn.LSTM(features, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, seq):
+            _, (h, _) = self.lstm(seq)
+            return self.head(h[-1])
+
+    seqs = [torch.randn(5, 3), torch.randn(2, 3), torch.randn(4, 3)]
+    return Reader, pack_sequence(seqs, enforce_sorted=False)
+
+
+def test_packed_sequence_through_an_lstm():
+    Reader, seq = packed_reader()
+    model = Reader()
+    seen = {}
+    model.lstm.register_forward_hook(lambda m, a, out: seen.update(out=out))
+    table = summary(model, seq)
+    packed, (h, c) = seen["out"]  # reference: a plain hook on the same forward
+    row = table["lstm"]
+    assert row.calls == 1 and row.type == "LSTM"
+    assert row.output[0][0] == packed.data.shape and row.output[1] == (h.shape, c.shape)
+    assert row.input[0] == seq.data.shape and row.input[1] == seq.batch_sizes.shape
+    assert table.batch_size == 3 and table["head"].output == torch.Size([3, 2])  # 3 sequences
+    assert row.bytes == 4 * (packed.data.numel() + h.numel() + c.numel())  # the data, not the indices
+
+
+def test_a_failure_with_a_packed_input_names_the_layer():
+    Reader, seq = packed_reader()
+    with pytest.raises(layertap.LayerForwardError, match=r"layer 'lstm' \(LSTM\).*\[11, 3\]") as info:
+        summary(Reader(features=5), seq)  # the LSTM expects 5 features, gets 3
+    assert isinstance(info.value.__cause__, RuntimeError)

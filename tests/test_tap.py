@@ -147,10 +147,11 @@ def test_token_reductions():
     assert t["0"].untyped_storage().nbytes() == 2 * 6 * 4 or reduce != "cls"
 
 
-def test_cls_on_a_map_is_a_clear_error():
-    with pytest.raises(ValueError, match="reduce='cls'.*reduce='mean'"):
+def test_cls_on_a_map_is_a_clear_error_naming_the_layer():
+    with pytest.raises(TapError, match="layer '0' \\(Conv2d\\).*reduce='cls'.*reduce='mean'") as err:
         with layertap.tap(nn.Sequential(nn.Conv2d(1, 2, 1)), "0", reduce="cls") as t:
             t.model(torch.randn(1, 1, 4, 4))
+    assert isinstance(err.value.__cause__, ValueError)
 
 
 def test_unknown_options_are_clear_errors():
@@ -209,7 +210,7 @@ def test_nested_outputs_keep_structure_and_controls_apply_to_each_leaf(kind):
         assert got[2].dtype == torch.int64 and grads[2] is None
     if kind == "dataclass":
         assert got.tag == "pair"
-    floats = [g for g in layertap.nested.tensors(grads)]
+    floats = list(layertap.nested.tensors(grads))
     assert all(torch.all(g == 1) for g in floats)
 
 
@@ -507,7 +508,7 @@ def test_stored_values_survive_later_in_place_ops_across_forwards():
                 h.remove()
             wrong = [n for n in layers if not torch.equal(t[n], ref[n])]
             assert wrong == []
-    copied = sorted(n for (kind, n), copy in t._copy.items() if copy)
+    copied = sorted(n for (kind, n, position), copy in t._copy.items() if copy)
     assert len(copied) == 49 and all(".bn" in n or n == "bn1" for n in copied)
 
 
@@ -574,14 +575,267 @@ def test_a_new_tap_reuses_what_earlier_taps_learned_about_in_place_ops():
     layers = ["layer1.0.bn1", "layer1.0.conv1"]  # bn1 is followed by an in-place ReLU
     with torch.no_grad(), layertap.tap(model, layers) as first:
         model(torch.randn(1, 3, 32, 32))
-    assert first._copy == {("output", "layer1.0.bn1"): True, ("output", "layer1.0.conv1"): False}
+    assert first._copy == {("output", "layer1.0.bn1", 0): True, ("output", "layer1.0.conv1", 0): False}
     second = layertap.tap(model, layers)
-    assert second._copy == first._copy  # no blanket copy on the new tap's first forward
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad(), second:
         model(x)
+    assert second._copy == first._copy
+    [(_, _, guards)] = second._stores["output"].entries["layer1.0.conv1"]
+    assert guards  # guarded, not copied: no blanket copy on the new tap's first forward
     with torch.no_grad():
         h = model.maxpool(model.relu(model.bn1(model.conv1(x))))
         conv = model.layer1[0].conv1(h)
         torch.testing.assert_close(second["layer1.0.conv1"], conv)
         torch.testing.assert_close(second["layer1.0.bn1"], model.layer1[0].bn1(conv))
+
+
+# ---------------------------------------------------------------- reported defects
+def clone_at_hook(model, names, kind="output"):
+    """Independent reference: plain hooks that clone each call's output (or first input)."""
+    got = {n: [] for n in names}
+    handles = []
+    for n in names:
+        m = model.get_submodule(n)
+        if kind == "output":
+            handles.append(m.register_forward_hook(lambda mod, a, o, n=n: got[n].append(o.detach().clone())))
+        else:
+            handles.append(m.register_forward_pre_hook(lambda mod, a, n=n: got[n].append(a[0].detach().clone())))
+    return got, handles
+
+
+class EMA(nn.Module):
+    """An EMA / weight-norm style wrapper: the model is ``self.module``, as under DDP."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_a_child_named_module_is_tapped_and_read_with_or_without_a_real_wrapper():
+    model = EMA(MLP())
+    x = torch.randn(2, 784)
+    ref, handles = clone_at_hook(model, ["module", "module.fc1"])
+    with layertap.tap(model, ["module", "module.fc1"]) as t:
+        model(x)
+    for h in handles:
+        h.remove()
+    assert list(t) == ["module", "module.fc1"]
+    assert torch.equal(t["module"], ref["module"][0])  # the same forward: bit-exact
+    assert torch.equal(t["module.fc1"], ref["module.fc1"][0])
+    dp = nn.DataParallel(model)  # CPU: it just calls the module; raw names 'module.module.fc1'
+    with layertap.tap(dp, "module.fc1") as t:
+        dp(x)
+    assert torch.equal(t["module.fc1"], ref["module.fc1"][0])
+    assert torch.equal(t["module.module.fc1"], ref["module.fc1"][0])
+    assert "module.module.fc1" in t and "fc1" not in t
+
+
+def lstm_model():
+    from torch.nn.utils.rnn import pack_sequence
+
+    class Reader(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, seq):
+            out, (h, _) = self.lstm(seq)
+            return self.head(h[-1]), out
+
+    seqs = [torch.randn(5, 3), torch.randn(2, 3), torch.randn(4, 3)]
+    return Reader(), pack_sequence(seqs, enforce_sorted=False)
+
+
+@pytest.mark.parametrize("to", [None, "meta"])
+def test_packed_sequence_moves_only_its_data(to):
+    model, seq = lstm_model()
+    ref, handles = {}, [model.lstm.register_forward_hook(lambda m, a, o: ref.update(out=o))]
+    with torch.no_grad(), layertap.tap(model, "lstm", capture=("input", "output"), to=to) as t:
+        model(seq)
+    handles[0].remove()
+    (packed, (h, _)), (want, (want_h, _)) = t["lstm"], ref["out"]
+    assert type(packed) is type(want) and type(t.inputs["lstm"]) is type(seq)
+    assert packed.batch_sizes.device.type == "cpu" and packed.batch_sizes.dtype == torch.int64
+    assert torch.equal(packed.batch_sizes, want.batch_sizes)
+    device = to or "cpu"
+    assert packed.data.device.type == device and packed.sorted_indices.device.type == device
+    assert packed.data.shape == want.data.shape and h.shape == want_h.shape
+    if to is None:  # the same forward: bit-exact
+        assert torch.equal(packed.data, want.data) and torch.equal(packed.unsorted_indices, want.unsorted_indices)
+
+
+def test_packed_sequence_gradient_matches_autograd():
+    model, seq = lstm_model()
+    with layertap.tap(model, "lstm", capture="grad") as t:
+        logits, out = model(seq)
+        (logits.sum() + out.data.pow(2).sum()).backward()
+    grad, (grad_h, grad_c) = t.grads["lstm"]
+    out, (h, _) = model.lstm(seq)
+    h_ref = h.detach().requires_grad_()
+    (want_h,) = torch.autograd.grad(model.head(h_ref[-1]).sum(), h_ref)
+    # the same ops on the same values; float32 defaults of assert_close
+    torch.testing.assert_close(grad.data, 2 * out.data.detach())
+    assert torch.equal(grad.batch_sizes, seq.batch_sizes) and grad_c is None
+    torch.testing.assert_close(grad_h, want_h)
+
+
+def test_an_error_in_the_taps_own_work_is_a_tap_error_naming_the_layer():
+    class Pinned(tuple):
+        """A result whose constructor insists on CPU tensors (as PackedSequence does for batch_sizes)."""
+
+        def __new__(cls, values):
+            if any(v.device.type != "cpu" for v in values):
+                raise ValueError("Pinned holds CPU tensors only")
+            return super().__new__(cls, values)
+
+    import torch.utils._pytree as pytree
+
+    pytree.register_pytree_node(Pinned, lambda p: (list(p), None), lambda values, _: Pinned(values))
+    try:
+        model = nn.Sequential(nn.Linear(2, 2))
+        model[0].register_forward_hook(lambda m, a, out: Pinned([out, out * 2]))
+        failed = pytest.raises(TapError, match=r"capture the output of layer '0' \(Linear\).*Pinned holds CPU")
+        with failed as err, layertap.tap(model, "0", to="meta"):
+            model(torch.randn(1, 2))
+        assert isinstance(err.value.__cause__, ValueError)
+    finally:
+        pytree._deregister_pytree_node(Pinned)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 4), (1, 3, 3, 4)])  # 3-D tokens, 4-D like swin_v2's cpb_mlp
+def test_gradient_of_a_view_output_changed_in_place_matches_autograd(shape):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    x = torch.randn(*shape)
+    assert model[0](x)._is_view()  # the case: Linear on a >2-D input returns a view
+    weights = torch.randn(*shape[:-1], 3)
+    ref, handles = clone_at_hook(model, ["0"])
+    with layertap.tap(model, "0", capture=("output", "grad")) as t:
+        y = model(x)
+        (y * weights).sum().backward()
+    with layertap.tap(model, "1", capture="grad_input") as t_in:  # the ReLU changes its own input
+        (model(x) * weights).sum().backward()
+    handles[0].remove()
+    assert torch.equal(t["0"], ref["0"][0])  # the forward itself is unchanged: bit-exact
+    h = model[0](x).detach().requires_grad_()  # reference: cut the graph at the layer's output
+    (want,) = torch.autograd.grad((model[2](F.relu(h)) * weights).sum(), h)
+    assert want.abs().sum() > 0
+    # the same ops on the same values; float32 defaults of assert_close
+    torch.testing.assert_close(t.grads["0"], want)
+    torch.testing.assert_close(t_in.grad_inputs["1"], want)
+    torch.testing.assert_close(y, model(x))
+
+
+def test_gradient_through_a_view_keeps_the_models_own_backward():
+    # Sigmoid saves its output for backward; Flatten returns a view of it. The tap must neither
+    # bump its version (the backward would fail) nor change the gradient upstream.
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sigmoid(), nn.Flatten(), nn.Linear(8, 1))
+    x = torch.randn(3, 1, 4, 4)
+    with layertap.tap(model, "2", capture="grad") as t:
+        model(x).sum().backward()
+    tapped = model[0].weight.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, tapped, rtol=0, atol=0)  # the same backward
+    torch.testing.assert_close(t.grads["2"], model[3].weight.expand(3, 8))
+
+
+class Called4Times(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return [self.c(x + i) for i in range(4)]
+
+
+def test_keep_all_grads_have_one_entry_per_call_with_none_where_no_backward_reached():
+    model = Called4Times()
+    xs = [torch.randn(2, 3) for _ in range(2)]
+
+    def loss(outs):  # calls 1 and 3 reach the loss; 0 and 2 do not
+        return (outs[1] * 2).sum() + (outs[3] * torch.arange(3.0)).sum()
+
+    with layertap.tap(model, "c", capture="grad", keep="all") as t:
+        for x in xs:
+            loss(model(x)).backward()
+    got = t.grads["c"]
+    assert len(got) == 8
+    for k, x in enumerate(xs):
+        outs = model(x)  # reference: autograd on the same calls
+        want = torch.autograd.grad(loss(outs), [outs[1], outs[3]])
+        entries = got[4 * k : 4 * k + 4]
+        assert entries[0] is None and entries[2] is None
+        torch.testing.assert_close(entries[1], want[0], rtol=0, atol=0)  # the same op on the same values
+        torch.testing.assert_close(entries[3], want[1], rtol=0, atol=0)
+    with layertap.tap(model, "c", capture="grad", keep="all") as t:
+        model(xs[0])
+    assert "c" not in t.grads
+    with pytest.raises(LayerNotRunError, match="no backward reached it"):
+        t.grads["c"]
+
+
+class ChangedOnSecondCall(nn.Module):
+    """One layer called twice per forward; only its second output is changed in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = self.lin(x * 2)
+        b.mul_(3)
+        return a + b
+
+
+@pytest.mark.parametrize("later", ["last", "all"])
+def test_what_a_keep_first_tap_learns_does_not_make_a_later_tap_guard(later):
+    model = ChangedOnSecondCall()
+    with torch.no_grad(), layertap.tap(model, "lin", keep="first"):
+        model(torch.randn(1, 3))  # sees the first call only, which nothing changes in place
+    x = torch.randn(1, 3)
+    ref, handles = clone_at_hook(model, ["lin"])
+    with torch.no_grad(), layertap.tap(model, "lin", keep=later) as t:
+        model(x)
+    handles[0].remove()
+    want = ref["lin"] if later == "all" else ref["lin"][-1]
+    got = t["lin"]  # read without TapError, and right: the same forward, bit-exact
+    assert all(map(torch.equal, got, want)) if later == "all" else torch.equal(got, want)
+    with torch.no_grad(), layertap.tap(model, "lin") as again:  # what both taps learned is reused
+        model(x)
+    assert torch.equal(again["lin"], ref["lin"][-1])
+
+
+def test_a_kept_gradient_is_not_a_leafs_grad_that_later_backwards_add_to():
+    class Plus(nn.Module):  # its backward passes the gradient on as it is, into x.grad
+        def forward(self, x):
+            return x + 1
+
+    model = nn.Sequential(Plus())
+    x = torch.randn(4, requires_grad=True)
+    weights = [torch.randn(4) for _ in range(3)]
+    with layertap.tap(model, "0", capture=("grad", "grad_input"), keep="all") as t:
+        for w in weights:
+            (model(x) * w).sum().backward()
+    for kind in ("grads", "grad_inputs"):  # d(x+1)*w/d(x+1) = w, for each backward on its own
+        for got, w in zip(getattr(t, kind)["0"], weights):
+            torch.testing.assert_close(got, w, rtol=0, atol=0)
+
+
+def test_keep_all_stores_one_entry_per_call_for_the_parts_of_dataparallel_replicas():
+    # white-box (DataParallel replicates only with >= 2 GPUs): two replicas' shares of each call
+    t = layertap.tap(MLP(), "fc1", keep="all")
+    t._devices, t._gather_device = [0, 1], torch.device("cpu")
+    store = t._stores["output"]
+    halves = [torch.randn(2, 3) for _ in range(4)]
+    for index, (first, second) in enumerate([halves[:2], halves[2:]]):
+        t._put(store, "fc1", index, second, [], part=1)  # replicas finish in any order
+        t._put(store, "fc1", index, first, [], part=0)
+    got = t["fc1"]
+    assert len(got) == 2
+    assert torch.equal(got[0], torch.cat(halves[:2])) and torch.equal(got[1], torch.cat(halves[2:]))

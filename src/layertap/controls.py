@@ -8,11 +8,10 @@ only detached and moved.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
 
 import torch
 
-Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor], None]
+Reduce = str | Callable[[torch.Tensor], torch.Tensor] | None
 REDUCTIONS = ("mean", "max", "flatten", "cls")
 
 

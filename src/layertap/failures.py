@@ -33,7 +33,7 @@ def locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple,
         frame = tb.tb_frame
         if frame.f_code.co_name in _CALL_FRAMES:
             module = frame.f_locals.get("self")
-            if id(module) in names:
+            if isinstance(module, nn.Module) and id(module) in names:
                 local = frame.f_locals
                 found = (names[id(module)], module, local.get("args", ()), local.get("kwargs", {}))
         tb = tb.tb_next
@@ -41,11 +41,18 @@ def locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple,
 
 
 def describe_inputs(args: tuple, kwargs: dict) -> str:
-    """Shapes and dtypes of a call's inputs, e.g. ``[[3, 8]] (torch.float32)``."""
-    shown: Any = list(nested.shapes(list(args)))
-    if kwargs:
-        shown = {"args": shown, "kwargs": nested.shapes(dict(kwargs))}
-    dtypes = sorted({str(t.dtype) for t in nested.tensors((args, kwargs))})
+    """Shapes and dtypes of a call's inputs, e.g. ``[[3, 8]] (torch.float32)``.
+
+    Never raises: it describes an error already being raised, which it must not replace.
+    """
+    leaves = nested.tensors((args, kwargs))
+    try:
+        shown: Any = list(nested.shapes(list(args)))
+        if kwargs:
+            shown = {"args": shown, "kwargs": nested.shapes(dict(kwargs))}
+    except Exception:  # a container that cannot hold shapes: list the tensors instead
+        shown = [list(t.shape) for t in leaves]
+    dtypes = sorted({str(t.dtype) for t in leaves})
     return f"{shown} ({', '.join(dtypes) or 'no tensors'})"
 
 

@@ -11,39 +11,67 @@ everywhere:
 - a module class (``nn.BatchNorm2d``): every instance;
 - a predicate ``f(name, module) -> bool``.
 
-Wrappers are seen through: the ``module.`` prefix of DataParallel/DDP and the ``_orig_mod.``
-prefix of ``torch.compile`` are dropped from the names layertap reports, and names with or
-without them are accepted. A module registered at two paths keeps its first name, as
-``named_modules()`` reports it.
+Wrappers are seen through: the ``module.`` segment of DataParallel/DDP and the ``_orig_mod.``
+segment of ``torch.compile`` are dropped from the names layertap reports, and a spec may use a
+name with or without them: names, globs and regexes are matched against both the reported name
+and the name ``named_modules()`` gives. Only the segment that holds an actual wrapper's model is
+dropped; an EMA or weight-norm wrapper's own ``self.module`` keeps its name. A module registered
+at two paths keeps its first name, as ``named_modules()`` reports it.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Union
+from typing import NamedTuple, TypeGuard, Union
 
 from torch import nn
 
 from .errors import LayerNotFoundError
 
 Spec = Union[str, "re.Pattern[str]", type, Callable[[str, nn.Module], bool]]
-Layers = Union[Spec, Sequence[Spec]]
-
-_WRAPPER_SEGMENTS = ("module", "_orig_mod")
-
-
-def _is_wrapper(module: nn.Module) -> bool:
-    """DataParallel/DDP hold the model as ``.module``; torch.compile as ``._orig_mod``."""
-    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return True
-    return hasattr(module, "_orig_mod") and isinstance(getattr(module, "_orig_mod"), nn.Module)
+Layers = Spec | Sequence[Spec]
+_PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
 
-def canonical_name(name: str) -> str:
-    """Drop wrapper segments (``module.``, ``_orig_mod.``) from a qualified name."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+def wrapped_child(module: nn.Module) -> str | None:
+    """The child under which a wrapper holds the model: ``module`` for DataParallel and DDP,
+    ``_orig_mod`` for torch.compile's OptimizedModule; ``None`` for any other module."""
+    if isinstance(module, _PARALLEL):
+        return "module"
+    # torch.compile loads torch._dynamo; before that no OptimizedModule can exist (and importing
+    # it here would make every select slow to start)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return "_orig_mod"
+    return None
+
+
+class _Layer(NamedTuple):
+    module: nn.Module
+    raw: str  # the name named_modules() gives, wrapper segments included
+
+
+def _index(model: nn.Module) -> dict[str, _Layer]:
+    """Every module but the wrappers, by canonical name, in ``named_modules()`` order."""
+    canonical: dict[str, str] = {}
+    holds: dict[str, str | None] = {}  # raw name -> the child it wraps, for wrappers
+    layers: dict[str, _Layer] = {}
+    for raw, module in model.named_modules():  # parents come before their children
+        parent, _, last = raw.rpartition(".")
+        if not raw:
+            name = ""
+        elif holds[parent] == last:  # the wrapped model takes its wrapper's name
+            name = canonical[parent]
+        else:
+            name = f"{canonical[parent]}.{last}" if canonical[parent] else last
+        canonical[raw] = name
+        holds[raw] = wrapped_child(module)
+        if holds[raw] is None:
+            layers.setdefault(name, _Layer(module, raw))
+    return layers
 
 
 def named_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -52,12 +80,18 @@ def named_layers(model: nn.Module) -> dict[str, nn.Module]:
     Wrapper modules themselves (DataParallel, DDP, torch.compile's OptimizedModule) are hidden:
     the wrapped model takes the name ``""``.
     """
-    layers: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        if _is_wrapper(module):
-            continue
-        layers.setdefault(canonical_name(name), module)
-    return layers
+    return {name: layer.module for name, layer in _index(model).items()}
+
+
+def _aliases(index: dict[str, _Layer]) -> dict[str, str]:
+    names = {layer.raw: name for name, layer in index.items()}
+    names.update((name, name) for name in index)  # a canonical name wins over an equal raw name
+    return names
+
+
+def aliases(model: nn.Module) -> dict[str, str]:
+    """Every name a layer may be given by (canonical, or as ``named_modules()`` has it) -> canonical."""
+    return _aliases(_index(model))
 
 
 def _glob_to_regex(glob: str) -> re.Pattern[str]:
@@ -121,7 +155,7 @@ def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model") -> 
         classes = sorted({type(m).__name__ for m in layers.values()})
         msg += f"; module classes present: {', '.join(classes[:20])}"
     elif isinstance(spec, str):
-        close = _closest(canonical_name(spec.removeprefix("re:")), layers)
+        close = _closest(spec.removeprefix("re:"), layers)
         if close:
             msg += f". Closest names: {', '.join(close)}"
         msg += ". See every name with layertap.summary(model, example_input) or list(dict(model.named_modules()))"
@@ -138,17 +172,18 @@ def _matcher(spec: Spec) -> Callable[[str, nn.Module], bool]:
     if isinstance(spec, str):
         if spec.startswith("re:"):
             return _matcher(re.compile(spec[3:]))
-        if any(c in spec for c in "*?["):
-            pattern = _glob_to_regex(canonical_name(spec))
-            return lambda name, _m: pattern.fullmatch(name) is not None
-        wanted = canonical_name(spec)
-        return lambda name, _m: name == wanted
+        pattern = _glob_to_regex(spec)  # exact names never get here: `select` looks them up
+        return lambda name, _m: pattern.fullmatch(name) is not None
     if callable(spec):
         return lambda name, m: bool(spec(name, m))
     raise TypeError(
         f"cannot select layers with {spec!r}: give a name, a glob, a regex, "
         "an nn.Module class or a predicate f(name, module) -> bool"
     )
+
+
+def _is_name(spec: Spec) -> TypeGuard[str]:
+    return isinstance(spec, str) and not spec.startswith("re:") and not any(c in spec for c in "*?[")
 
 
 def _specs(layers: Layers) -> list[Spec]:
@@ -171,23 +206,30 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    all_layers = named_layers(model)
+    index = _index(model)
     specs = _specs(layers)
     if not specs:
         raise ValueError("no layers given: pass a name, a glob, a regex, a class or a predicate")
+    names = _aliases(index)
     chosen: set[str] = set()
     for spec in specs:
-        match = _matcher(spec)
-        # the root ("") is selected only by its exact name, never by a pattern
-        hits = {
-            name
-            for name, m in all_layers.items()
-            if (name or spec == "") and match(name, m)
-        }
+        if _is_name(spec):
+            # an exact name, with or without wrapper segments; only a name selects the root ("")
+            hits = {names[spec]} if spec in names else set()
+        else:
+            match = _matcher(spec)
+            # a pattern matches the canonical name or, for strings and regexes, the name as
+            # named_modules() gives it
+            raw_too = isinstance(spec, (str, re.Pattern))
+            hits = {
+                name
+                for name, (module, raw) in index.items()
+                if name and (match(name, module) or (raw_too and raw != name and match(raw, module)))
+            }
         if not hits:
-            raise not_found(spec, all_layers)
+            raise not_found(spec, {name: layer.module for name, layer in index.items()})
         chosen |= hits
-    return [name for name in all_layers if name in chosen]
+    return [name for name in index if name in chosen]
 
 
 def resolve(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
@@ -196,4 +238,4 @@ def resolve(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
     return {name: all_layers[name] for name in names}
 
 
-__all__ = ["select", "named_layers", "canonical_name", "resolve", "Spec", "Layers"]
+__all__ = ["select", "named_layers", "aliases", "wrapped_child", "resolve", "Spec", "Layers"]

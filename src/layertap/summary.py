@@ -26,7 +26,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from . import nested
 from .failures import explain_failures
@@ -204,11 +206,11 @@ def _structure(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):  # dicts and Hugging Face ModelOutput
-        kept = {str(k): _structure(v) for k, v in value.items()}
-        return {k: v for k, v in kept.items() if v is not None} or None
+        entries = {str(k): _structure(v) for k, v in value.items()}
+        return {k: v for k, v in entries.items() if v is not None} or None
     if isinstance(value, (tuple, list)):
-        kept = [s for s in map(_structure, value) if s is not None]
-        return (tuple(kept) if isinstance(value, tuple) else kept) or None
+        items = [s for s in map(_structure, value) if s is not None]
+        return (tuple(items) if isinstance(value, tuple) else items) or None
     return None
 
 
@@ -252,6 +254,16 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
+def _batch_size(example: Any) -> int:
+    """The first input's first dim; a ``PackedSequence`` (whose data is all steps) counts sequences."""
+    first = nested.first_tensor(example)
+    if first is None or first.dim() == 0:
+        return 1
+    leaves = pytree.tree_leaves(example, is_leaf=lambda x: isinstance(x, PackedSequence))
+    packed = next((x for x in leaves if isinstance(x, PackedSequence) and x.data is first), None)
+    return int(packed.batch_sizes[0]) if packed is not None else first.shape[0]
+
+
 def _start_order(taps: Tap) -> list[str]:
     # the tap records a layer's input when its first call starts, so its input store is in
     # execution order. TODO(core): expose this order publicly on Tap.
@@ -291,8 +303,7 @@ def summary(
     all_layers = named_layers(model)
     if layers is None:  # the root is selected by its name only; nn.Module matches every other layer
         layers = ["", nn.Module] if len(all_layers) > 1 else ""
-    first = nested.first_tensor((example_inputs, example_kwargs))
-    batch = first.shape[0] if first is not None and first.dim() > 0 else 1
+    batch = _batch_size((example_inputs, example_kwargs))
 
     tapped = tap(model, layers, capture=("input", "output"), keep="all", to="meta")
     with explain_failures(model), _eval_mode(model), torch.no_grad(), tapped:

@@ -12,24 +12,39 @@ How values are kept correct and cheap:
 - Inputs are captured in a forward *pre*-hook, before an in-place module (``ReLU(inplace=True)``)
   overwrites them; outputs in a forward hook.
 - Gradients come from ``Tensor.register_hook`` on the layer's output (and input) tensors, never
-  from full backward hooks, which break when an in-place op follows the layer.
+  from full backward hooks, which break when an in-place op follows the layer. Three kinds of
+  tensor need care. A view (``nn.Linear`` on a 3-D input returns one) that is later changed in
+  place gets a new history without the hooks on it, so the hook goes on a no-op identity that
+  is not a view: the same memory and version counter, no copy. A leaf (the caller's input, a
+  parameter) would keep a hook after the tap is gone and run it at every later backward, so the
+  hook goes on a view of it made by this forward (a leaf that requires grad cannot be changed in
+  place, nor can its views). Any other tensor the model was given is hooked as it is, so that
+  an in-place op on it keeps its history, and that hook is removed when the ``with`` block
+  ends. A gradient kept as it came is copied: if it flows on unchanged into a leaf, it becomes
+  that leaf's ``.grad``, which later backwards add to in place. Only gradient taps pay for this.
 - A stored tensor that shares memory with the network's own activation could be overwritten by
-  a later in-place op (ResNet's ``out += identity`` after ``bn3``). The first forward copies every
-  such value and watches the original's version counter; later forwards copy only the layers whose
-  activation really was changed in place, and keep a version guard on the others: reading a value
-  that was changed after capture raises instead of returning wrong numbers. A reduction, cast or
-  device move already makes a fresh tensor, which is never copied again. Tensors made under
-  ``torch.inference_mode()`` have no version counter, so there every shared value is copied:
-  run taps under ``torch.no_grad()`` for the cheaper path.
+  a later in-place op (ResNet's ``out += identity`` after ``bn3``). The first time a call of a
+  layer is seen, its value is copied and the original's version counter watched; later forwards
+  copy only the calls whose activation really was changed in place, and keep a version guard on
+  the others: reading a value that was changed after capture raises instead of returning wrong
+  numbers. What is learned is kept per layer *and call position within a forward* (a block
+  called twice may be changed in place after its second call only), and shared by later taps
+  of the same module. A reduction, cast or device move already makes a fresh tensor, which is
+  never copied again. Tensors made under ``torch.inference_mode()`` have no version counter,
+  so there every shared value is copied: run taps under ``torch.no_grad()`` for the cheaper
+  path. So is a call outside a forward of the tapped model (a submodule called on its own).
+- The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
+  `TapError` naming the layer, with the original error chained.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, Union
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -37,13 +52,13 @@ from torch.utils.hooks import RemovableHandle
 
 from . import nested
 from .controls import Reduce, make_transform, shares_memory
-from .errors import LayerNotFoundError, LayerNotRunError, TapError
-from .select import Layers, canonical_name, named_layers, not_found, select
+from .errors import LayerNotFoundError, LayerNotRunError, LayertapError, TapError
+from .select import Layers, aliases, named_layers, not_found, select, wrapped_child
 
 Kind = Literal["output", "input", "grad", "grad_input"]
 KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
 KEEPS = ("last", "first", "all")
-Edit = Union[Callable[[str, Any], Any], Mapping[Any, Callable[[str, Any], Any]], None]
+Edit = Callable[[str, Any], Any] | Mapping[Any, Callable[[str, Any], Any]] | None
 
 
 class Inputs(NamedTuple):
@@ -53,8 +68,22 @@ class Inputs(NamedTuple):
     kwargs: dict
 
 
-# module -> {kind: whether a later in-place op changed its value}, shared by every tap
-_LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+# module -> {(kind, call position in a forward): whether a later in-place op changed its value},
+# shared by every tap
+_LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], bool]] = weakref.WeakKeyDictionary()
+
+
+class _Alias(torch.autograd.Function):
+    """``x`` as a new tensor that is not a view: the same memory and version counter (``detach``
+    shares both), its own node in the graph; the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 class _StopForward(Exception):
@@ -63,6 +92,14 @@ class _StopForward(Exception):
     def __init__(self, tap: Tap) -> None:
         super().__init__("layertap stopped the forward after the last tapped layer")
         self.tap = tap
+
+
+def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> TapError:
+    """The error for the tap's own work failing inside a hook, e.g. a value it cannot rebuild."""
+    return TapError(
+        f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); "
+        f"change to=, dtype= or reduce=, or tap another layer. {type(exc).__name__}: {exc}"
+    )
 
 
 class _Slot:
@@ -84,22 +121,36 @@ class _Grads:
         self.slots: list[Any] = [None] * size
         self.stored = False  # stored once; later tensors' gradients fill the same object
 
+    @property
+    def received(self) -> bool:
+        return any(g is not None for g in self.slots)
+
     def value(self) -> Any:
+        """The gradients in the call's structure; ``None`` if no backward reached the call."""
+        if not self.received:
+            return None
         return nested.map_leaves(lambda s: self.slots[s.index], self.skeleton, leaf=_Slot)
 
 
 class _Parts:
     """One call's values from the replicas of ``nn.DataParallel``, gathered in batch order on read."""
 
-    __slots__ = ("slots", "device", "guards")
+    __slots__ = ("device", "guards", "slots")
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.slots: list[Any] = [None] * size
         self.device = device
         self.guards: list = []
 
+    @property
+    def received(self) -> bool:
+        return any(p.received if isinstance(p, _Grads) else p is not None for p in self.slots)
+
     def value(self) -> Any:
-        parts = [p.value() if isinstance(p, _Grads) else p for p in self.slots if p is not None]
+        parts = [p.value() if isinstance(p, _Grads) else p for p in self.slots]
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
         leaves = [nested.tensors(p) for p in parts]
         position = itertools.count()
 
@@ -110,18 +161,26 @@ class _Parts:
         return nested.map_leaves(gather, parts[0])
 
 
+def _received(value: Any) -> bool:
+    """Whether a stored value holds anything: a gradient entry may be waiting for its backward."""
+    return value.received if isinstance(value, (_Grads, _Parts)) else True
+
+
 class _Store:
     """The values of one kind per layer, under the keep policy, with their version guards."""
 
     def __init__(self, kind: str, keep: str) -> None:
         self.kind = kind
         self.keep = keep
-        # name -> [(call index, value, [(tensor, version), ...])], sorted by call index
+        # name -> [(call index, value, [(tensor, version, copy key), ...])], sorted by call index
         self.entries: dict[str, list[tuple[int, Any, list]]] = {}
 
     def wants(self, name: str, index: int) -> bool:
         kept = self.entries.get(name)
         return self.keep != "first" or not kept or kept[0][0] == index
+
+    def has(self, name: str) -> bool:
+        return any(_received(value) for _, value, _ in self.entries.get(name, ()))
 
     def find(self, name: str, index: int) -> Any:
         """The value stored for call ``index`` (another replica's part of the same call)."""
@@ -175,6 +234,8 @@ class Tap(Mapping):
         self.model = model
         self.names: list[str] = select(model, layers)
         self._tapped = frozenset(self.names)
+        # a tapped layer may be read by its name with or without wrapper segments
+        self._aliases = {alias: name for alias, name in aliases(model).items() if name in self._tapped}
         # nn.DataParallel runs replicas of every module in threads, one per device; they share the
         # hooks, so the tap gathers their parts in device (= batch) order
         parallel = model if isinstance(model, nn.DataParallel) and model.device_ids else None
@@ -192,20 +253,28 @@ class Tap(Mapping):
         self._stores = {k: _Store(k, keep) for k in kinds}
         self._handles: list[RemovableHandle] = []
         self._restore: contextlib.ExitStack | None = None
-        self._calls: dict[str, int] = {}  # calls counted per layer since clear()
+        self._calls: dict[str | tuple[str, int], int] = {}  # calls counted per layer since clear()
+        # the counts when the running forward of the model started (None outside one): a call's
+        # position within its forward is its count minus this. Only a tap that may keep a
+        # tensor of the network's own needs it: a reduction always makes a fresh one
+        self._learns = reduce is None and bool({"output", "input"} & set(kinds))
+        self._start: dict[str | tuple[str, int], int] | None = None
         self._fired: set[str] = set()
-        # (kind, name) -> None: unknown yet, True: changed in place downstream, so copy; False: guard.
-        # What earlier taps learned about a module is reused: it is a property of the model's code.
-        self._copy: dict[tuple[str, str], bool | None] = {
-            (kind, name): _LEARNED.get(self._layers[name], {}).get(kind) for kind in kinds for name in self.names
-        }
-        self._pending: list[tuple[tuple[str, str], torch.Tensor, int]] = []
+        # (kind, name, position) -> None: unknown yet, True: changed in place downstream, so copy;
+        # False: guard. What earlier taps learned about a call position of a module is reused: it
+        # is a property of the model's code.
+        self._copy: dict[tuple[str, str, int], bool | None] = {}
+        self._pending: list[tuple[tuple[str, str, int], torch.Tensor, int]] = []
+        # ids of the tensors the running forward was given, whose grad_input hooks must not
+        # outlive the tap (None: grad_input is not captured)
+        self._given: set[int] | None = set() if "grad_input" in kinds else None
+        self._given_hooks: list[RemovableHandle] = []
 
     def _resolve_edits(self, edit: Edit) -> dict[str, Callable[[str, Any], Any]]:
         if edit is None:
             return {}
         if callable(edit):
-            return {name: edit for name in self.names}
+            return dict.fromkeys(self.names, edit)
         edits: dict[str, Callable[[str, Any], Any]] = {}
         for spec, fn in edit.items():
             for name in select(self.model, spec):
@@ -231,10 +300,12 @@ class Tap(Mapping):
 
     def remove(self) -> None:
         """Remove every hook now (idempotent); captured values stay readable."""
-        for handle in self._handles:
+        for handle in self._handles + self._given_hooks:
             handle.remove()
         self._handles.clear()
+        self._given_hooks.clear()
         self._pending.clear()
+        self._start = None
         if self._restore is not None:
             self._restore.close()
             self._restore = None
@@ -245,12 +316,14 @@ class Tap(Mapping):
             store.entries.clear()
         self._calls.clear()
         self._fired.clear()
+        if self._start is not None:
+            self._start = {}
 
     def _register(self) -> None:
         hooked = list(dict.fromkeys(self.names + list(self._edits)))
         wants_pre = "input" in self.capture or "grad_input" in self.capture
         root = self.model
-        self._handles.append(root.register_forward_pre_hook(self._on_root_start))
+        self._handles.append(root.register_forward_pre_hook(self._on_root_start, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._on_root_end, always_call=True))
         for name in hooked:
             module = self._layers[name]
@@ -261,19 +334,28 @@ class Tap(Mapping):
                 )
             self._handles.append(module.register_forward_hook(self._hook(name, tapped)))
 
-    def _on_root_start(self, module: nn.Module, args: tuple) -> None:
+    def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._fired.clear()
+        if self._learns:
+            self._start = self._calls.copy()
+        if self._given is not None:
+            self._given = {id(t) for t in nested.tensors((args, kwargs))}
+            # forget the handles of hooks whose tensor is gone, so a long loop does not pile them up
+            self._given_hooks = [h for h in self._given_hooks if h.hooks_dict_ref() is not None]
 
     def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         for key, original, version in self._pending:
             if self._copy.get(key) is not True:
                 self._learn(key, original._version != version)
         self._pending.clear()
+        self._start = None
+        if self._given is not None:
+            self._given = set()
 
-    def _learn(self, key: tuple[str, str], changed: bool) -> None:
-        kind, name = key
+    def _learn(self, key: tuple[str, str, int], changed: bool) -> None:
+        kind, name, position = key
         self._copy[key] = changed
-        _LEARNED.setdefault(self._layers[name], {})[kind] = changed
+        _LEARNED.setdefault(self._layers[name], {})[kind, position] = changed
 
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
@@ -285,14 +367,19 @@ class Tap(Mapping):
             changed = None
             single = len(args) == 1 and not kwargs
             value = args[0] if single else Inputs(args, kwargs)
-            part = self._replica(module, name, value)
-            key = name if part is None else (name, part)
-            index = self._next_call(key) if only_inputs else self._calls.get(key, 0)
-            if want_grad:
-                value = self._watch_grads("grad_input", name, index, value, part)
-                changed = ((value,), {}) if single else (value.args, value.kwargs)
-            if want_input:
-                self._record("input", name, index, value, part)
+            try:
+                part = self._replica(module, name, value)
+                key = name if part is None else (name, part)
+                index = self._next_call(key) if only_inputs else self._calls.get(key, 0)
+                if want_grad:
+                    value = self._watch_grads("grad_input", name, index, value, part)
+                    changed = ((value,), {}) if single else (value.args, value.kwargs)
+                if want_input:
+                    self._record("input", name, index, value, part)
+            except LayertapError:
+                raise
+            except Exception as e:  # costs nothing unless raised
+                raise _capture_failed("input", name, module, e) from e
             if only_inputs:
                 self._fire(name)
             return changed
@@ -314,12 +401,17 @@ class Tap(Mapping):
                 if new is not None:
                     output = replaced = new
             if counts:
-                part = self._replica(module, name, output)
-                index = self._next_call(name if part is None else (name, part))
-                if want_grad:
-                    output = replaced = self._watch_grads("grad", name, index, output, part)
-                if want_output:
-                    self._record("output", name, index, output, part)
+                try:
+                    part = self._replica(module, name, output)
+                    index = self._next_call(name if part is None else (name, part))
+                    if want_grad:
+                        output = replaced = self._watch_grads("grad", name, index, output, part)
+                    if want_output:
+                        self._record("output", name, index, output, part)
+                except LayertapError:
+                    raise
+                except Exception as e:
+                    raise _capture_failed("output", name, module, e) from e
                 self._fire(name)
             return replaced
 
@@ -341,8 +433,12 @@ class Tap(Mapping):
     def _put(self, store: _Store, name: str, index: int, value: Any, guards: list, part: int | None) -> None:
         if part is not None:  # one replica's share of the batch
             parts = store.find(name, index)
-            if not isinstance(parts, _Parts):
-                parts = _Parts(len(self._devices), self._gather_device)
+            if isinstance(parts, _Parts):  # stored already: fill in this replica's share
+                parts.slots[part] = value
+                parts.guards.extend(guards)
+                return
+            assert self._gather_device is not None  # replicas exist only under DataParallel, which sets it
+            parts = _Parts(len(self._devices), self._gather_device)
             parts.slots[part] = value
             parts.guards.extend(guards)
             value, guards = parts, parts.guards
@@ -356,12 +452,10 @@ class Tap(Mapping):
             self._fired.clear()
             raise _StopForward(self)
 
-    def _record(self, kind: str, name: str, index: int, value: Any, part: int | None = None) -> None:
+    def _record(self, kind: Kind, name: str, index: int, value: Any, part: int | None = None) -> None:
         store = self._stores[kind]
         if not store.wants(name, index):
             return
-        key = (kind, name)
-        copy = self._copy.get(key)
         transform = self._transform
         guards: list = []
 
@@ -369,10 +463,19 @@ class Tap(Mapping):
             out = transform(t)
             if not shares_memory(out, t):
                 return out
-            if t.is_inference():  # no version counter to watch under inference_mode: copy
+            start = self._start
+            # no version counter to watch under inference_mode, and no call position to learn
+            # for outside a forward of the model: copy
+            if start is None or t.is_inference():
                 return out.clone()
+            position = index - start.get(name if part is None else (name, part), 0)
+            key = (kind, name, position)
+            try:
+                copy = self._copy[key]
+            except KeyError:  # new to this tap: what an earlier tap learned, if any
+                copy = self._copy[key] = _LEARNED.get(self._layers[name], {}).get((kind, position))
             if copy is False:
-                guards.append((out, out._version))
+                guards.append((out, out._version, key))
                 return out
             if copy is None:
                 self._pending.append((key, t, t._version))
@@ -380,7 +483,7 @@ class Tap(Mapping):
 
         self._put(store, name, index, nested.map_leaves(keep, value), guards, part)
 
-    def _watch_grads(self, kind: str, name: str, index: int, value: Any, part: int | None = None) -> Any:
+    def _watch_grads(self, kind: Kind, name: str, index: int, value: Any, part: int | None = None) -> Any:
         """Register gradient hooks on the tensors of ``value``; returns it (maybe with new leaves)."""
         if not torch.is_grad_enabled():
             raise TapError(
@@ -393,25 +496,41 @@ class Tap(Mapping):
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
         grads = _Grads(skeleton, next(counter))
+        if self.keep == "all":  # one entry per call, in call order; None until a backward reaches it
+            grads.stored = True
+            self._put(store, name, index, grads, [], part)
         transform = self._transform
         slot = itertools.count()
+        given = self._given if kind == "grad_input" else None
 
         def watch(t: torch.Tensor) -> torch.Tensor:
             i = next(slot)
             if not (t.is_floating_point() or t.is_complex()):
                 return t
+            handles = None
             if not t.requires_grad:
                 # nothing upstream needs a graph, so a fresh leaf loses nothing; the clone lets
                 # in-place ops follow (a leaf that requires grad cannot be changed in place)
                 t = t.detach().requires_grad_().clone()
+            elif t.grad_fn is None:  # a leaf: hook a view of it, so nothing stays on the leaf
+                t = t.view_as(t)
+            elif t._is_view():  # changed in place later, a view would lose its hooks
+                t = _Alias.apply(t)
+            elif given and id(t) in given:  # the caller's tensor: its hook ends with the tap
+                handles = self._given_hooks
 
             def on_grad(g: torch.Tensor) -> None:
-                grads.slots[i] = transform(g)
+                kept = transform(g)
+                # a gradient that flows on unchanged into a leaf becomes its .grad, which later
+                # backwards add to in place: keep a copy (a reduced, cast or moved one is fresh)
+                grads.slots[i] = kept.clone() if shares_memory(kept, g) else kept
                 if not grads.stored:
                     grads.stored = True
                     self._put(store, name, index, grads, [], part)
 
-            t.register_hook(on_grad)
+            handle = t.register_hook(on_grad)
+            if handles is not None:
+                handles.append(handle)
             return t
 
         return nested.map_leaves(watch, value)
@@ -421,19 +540,24 @@ class Tap(Mapping):
         if kind not in self._stores:
             raise TapError(f"capture={kind!r} was not requested: add it, e.g. capture=('output', {kind!r})")
         layer = self._name(name)
-        entries = self._stores[kind].entries.get(layer)
-        if not entries:
+        store = self._stores[kind]
+        if not store.has(layer):
             when = "no backward reached it" if kind.startswith("grad") else "it did not run"
+            given = (
+                "; a gradient with respect to the model's own inputs is recorded only by a backward "
+                "inside the with block" if kind == "grad_input" else ""
+            )
             raise LayerNotRunError(
                 f"layer {layer!r} is tapped but has no {kind} yet: nothing was recorded since the "
                 f"tap started (or since clear()) because {when}. Check that the forward "
                 f"{'and backward ' if kind.startswith('grad') else ''}went through this layer "
-                "(calling module.forward() directly bypasses hooks)"
+                f"(calling module.forward() directly bypasses hooks){given}"
             )
         values = []
-        for _, value, guards in entries:
-            if any(t._version != v for t, v in guards):
-                self._learn((kind, layer), True)
+        for _, value, guards in store.entries[layer]:
+            changed = next((key for t, v, key in guards if t._version != v), None)
+            if changed is not None:
+                self._learn(changed, True)
                 raise TapError(
                     f"the {kind} of layer {layer!r} was changed in place after it was captured "
                     "(a later in-place op in the forward) and is lost for that forward; layertap "
@@ -443,8 +567,8 @@ class Tap(Mapping):
         return values if self.keep == "all" else values[0]
 
     def _name(self, name: str) -> str:
-        layer = canonical_name(name)
-        if layer not in self._tapped:
+        layer = self._aliases.get(name)
+        if layer is None:
             raise not_found(name, {n: self._layers[n] for n in self.names}, what="tap")
         return layer
 
@@ -488,7 +612,7 @@ class Tap(Mapping):
 class _View(Mapping):
     """A read-only mapping of one kind of captured value."""
 
-    def __init__(self, tap: Tap, kind: str) -> None:
+    def __init__(self, tap: Tap, kind: Kind) -> None:
         self._tap, self._kind = tap, kind
 
     def __getitem__(self, name: str) -> Any:
@@ -496,7 +620,7 @@ class _View(Mapping):
 
     def _present(self) -> list[str]:
         store = self._tap._stores.get(self._kind)
-        return [n for n in self._tap.names if store is not None and store.entries.get(n)]
+        return [n for n in self._tap.names if store is not None and store.has(n)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._present())
@@ -505,7 +629,7 @@ class _View(Mapping):
         return len(self._present())
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and canonical_name(name) in self._present()
+        return isinstance(name, str) and self._tap._aliases.get(name) in self._present()
 
     def __repr__(self) -> str:
         return f"<layertap {self._kind}s of {self._present()}>"
@@ -523,14 +647,15 @@ def _eager(model: nn.Module) -> Iterator[None]:
     try:
         for module in model.modules():
             state = module.__dict__
-            if "_orig_mod" in module._modules and "forward" in state:
+            # the cheap test first: this runs over every module at each entry of the tap
+            if "_orig_mod" in module._modules and wrapped_child(module) == "_orig_mod" and "forward" in state:
                 old_forward = state["forward"]
-                module.forward = module._orig_mod.__call__
-                undo.append(lambda m=module, f=old_forward: setattr(m, "forward", f))
+                module.forward = module._orig_mod.__call__  # type: ignore[operator]  # an nn.Module, as the wrapper check says
+                undo.append(functools.partial(setattr, module, "forward", old_forward))
             if state.get("_compiled_call_impl") is not None:
                 old_call = state["_compiled_call_impl"]
                 module._compiled_call_impl = None
-                undo.append(lambda m=module, c=old_call: setattr(m, "_compiled_call_impl", c))
+                undo.append(functools.partial(setattr, module, "_compiled_call_impl", old_call))
         yield
     finally:
         for fn in reversed(undo):
@@ -555,9 +680,13 @@ def tap(
     Args:
         layers: names, globs, regexes, module classes or predicates (see `layertap.select`).
         capture: any of ``"output"``, ``"input"``, ``"grad"`` (gradient with respect to the
-            layer's output) and ``"grad_input"`` (with respect to its input).
+            layer's output) and ``"grad_input"`` (with respect to its input). Gradients come
+            from your own backward, inside the ``with`` block or after it, except that the
+            gradient with respect to a tensor the model was given is recorded only inside it.
         keep: ``"last"`` or ``"first"`` call, or ``"all"`` (a list, one entry per call, across
-            forwards until ``clear()``).
+            forwards until ``clear()``). A gradient entry of ``"all"`` is ``None`` for a call that
+            no backward reached, so entry ``i`` always belongs to call ``i``; ``"last"`` and
+            ``"first"`` give the last or first call a backward reached.
         detach, to, dtype, reduce: applied to each tensor inside the hook, before it is stored;
             ``reduce`` is ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` or a callable.
         stop_early: end the forward (by an exception the tap swallows) as soon as every tapped
