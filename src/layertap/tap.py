@@ -628,8 +628,10 @@ class _View(Mapping):
     def __len__(self) -> int:
         return len(self._present())
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._tap._aliases.get(name) in self._present()
+    def __contains__(self, name: object) -> bool:  # one lookup, not a scan: callers test every layer
+        store = self._tap._stores.get(self._kind)
+        found = self._tap._aliases.get(name) if isinstance(name, str) else None
+        return store is not None and found in self._tap._tapped and store.has(found)
 
     def __repr__(self) -> str:
         return f"<layertap {self._kind}s of {self._present()}>"
