@@ -7,6 +7,7 @@ import pytest
 import torch
 import torchvision
 from conftest import hook_state
+from test_tap import EMA  # an EMA-style wrapper whose child is named `module`
 from torch import nn
 
 import layertap
@@ -267,17 +268,6 @@ def test_layer_table_lookup():
     assert table[1] is table["act"] and table[-1].name == "unused"
     with pytest.raises(KeyError, match="no layer 'nope'"):
         table["nope"]
-
-
-class EMA(nn.Module):
-    """An EMA / weight-norm style wrapper: the model is ``self.module``, as under DDP."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.module = model
-
-    def forward(self, x):
-        return self.module(x)
 
 
 def test_a_child_named_module_keeps_its_rows():
