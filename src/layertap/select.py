@@ -9,7 +9,15 @@ everywhere:
   ``"**.bn1"``);
 - a regex, ``re.compile(...)`` or a string ``"re:..."``, matched against the whole name;
 - a module class (``nn.BatchNorm2d``): every instance;
-- a predicate ``f(name, module) -> bool``.
+- a predicate ``f(name, module) -> bool``;
+- an *op* inside a module's own ``forward``: ``"MODULE:OP"`` or ``"MODULE:OP#K"``, where MODULE is
+  any string spec above (``""`` is the model itself, as in ``":add"``), OP a torch function's name
+  (``x + y`` is ``add``, ``x += y`` is ``add_``, ``x @ y`` is ``matmul``, ``x[i]`` is
+  ``getitem``) and ``#K`` its K-th call in that forward, counted from 1; without ``#K`` every
+  call is tapped. A class or predicate takes its op as a pair: ``(nn.MultiheadAttention,
+  "softmax")``. An op belongs to the innermost module whose ``forward`` called it. Each
+  matched module gives one name, ``"layer1.0:add_"``. ``OP`` may be ``*``: every op the module
+  calls, named ``"MODULE:OP#K"`` as they run (what ``summary(ops=True)`` lists).
 
 Wrappers are seen through: the ``module.`` segment of DataParallel/DDP and the ``_orig_mod.``
 segment of ``torch.compile`` are dropped from the names layertap reports, and a spec may use a
@@ -25,14 +33,16 @@ import difflib
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, TypeGuard, Union
+from typing import NamedTuple, TypeGuard, Union, cast
 
 from torch import nn
 
 from .errors import LayerNotFoundError
 
-Spec = Union[str, "re.Pattern[str]", type, Callable[[str, nn.Module], bool]]
+ModuleSpec = Union[str, "re.Pattern[str]", type, Callable[[str, nn.Module], bool]]
+Spec = ModuleSpec | tuple[ModuleSpec, str]
 Layers = Spec | Sequence[Spec]
+_OP = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:#[1-9][0-9]*)?|\*)")
 _PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
 
@@ -129,7 +139,51 @@ def _glob_to_regex(glob: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
+class OpName(NamedTuple):
+    """A tapped op's name split up: ``"layer1.0:relu#2"`` is ``OpName("layer1.0", "relu", 2)``."""
+
+    module: str
+    op: str
+    call: int | None  # the K of "#K"; None: every call
+
+
+def split_op(name: str) -> OpName | None:
+    """The parts of an op name as `select` returns it, or ``None`` for a module name.
+
+    >>> split_op("layer1.0:relu#2"), split_op("layer1.0")
+    (OpName(module='layer1.0', op='relu', call=2), None)
+    """
+    module, sep, op = name.rpartition(":")
+    if not sep or not _OP.fullmatch(op):
+        return None
+    op, _, call = op.partition("#")
+    return OpName(module, op, int(call) if call else None)
+
+
+def owner(name: str) -> str:
+    """The module a selected name belongs to: itself, or the module whose forward calls the op."""
+    op = split_op(name)
+    return name if op is None else op.module
+
+
+def _op_spec(spec: Spec) -> tuple[ModuleSpec, str] | None:
+    """``(module spec, "op#K")`` for an op spec, else None. A regex's own colons stay its own."""
+    if isinstance(spec, tuple):
+        if len(spec) == 2 and isinstance(spec[1], str) and _OP.fullmatch(spec[1]):
+            return spec[0], spec[1]
+        raise TypeError(f"an op spec pair is (module spec, op name), e.g. (nn.MultiheadAttention, 'softmax'), got {spec!r}")
+    if not isinstance(spec, str):
+        return None
+    prefix, body = ("re:", spec[3:]) if spec.startswith("re:") else ("", spec)
+    module, sep, op = body.rpartition(":")
+    if not sep or not _OP.fullmatch(op) or (prefix and not module):
+        return None
+    return prefix + module, op
+
+
 def _describe(spec: Spec) -> str:
+    if isinstance(spec, tuple):
+        return f"{_describe(spec[0])} (op {spec[1]!r})"
     if isinstance(spec, re.Pattern):
         return f"regex {spec.pattern!r}"
     if isinstance(spec, type):
@@ -162,7 +216,7 @@ def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model") -> 
     return LayerNotFoundError(msg)
 
 
-def _matcher(spec: Spec) -> Callable[[str, nn.Module], bool]:
+def _matcher(spec: ModuleSpec) -> Callable[[str, nn.Module], bool]:
     if isinstance(spec, re.Pattern):
         return lambda name, _m: spec.fullmatch(name) is not None
     if isinstance(spec, type):
@@ -182,20 +236,26 @@ def _matcher(spec: Spec) -> Callable[[str, nn.Module], bool]:
     )
 
 
-def _is_name(spec: Spec) -> TypeGuard[str]:
+def _is_name(spec: ModuleSpec) -> TypeGuard[str]:
     return isinstance(spec, str) and not spec.startswith("re:") and not any(c in spec for c in "*?[")
 
 
 def _specs(layers: Layers) -> list[Spec]:
-    if isinstance(layers, (str, re.Pattern, type)) or callable(layers):
-        return [layers]
-    return list(layers)
+    if isinstance(layers, (str, re.Pattern, type)) or callable(layers) or _op_pair(layers):
+        return [cast(Spec, layers)]
+    return list(cast(Sequence[Spec], layers))
+
+
+def _op_pair(layers: object) -> bool:
+    return isinstance(layers, tuple) and len(layers) == 2 and isinstance(layers[1], str) and not isinstance(layers[0], str)
 
 
 def select(model: nn.Module, layers: Layers) -> list[str]:
     """Resolve ``layers`` to qualified module names, in ``model.named_modules()`` order.
 
-    Raises `LayerNotFoundError` (listing the closest names) if any spec matches nothing.
+    Raises `LayerNotFoundError` (listing the closest names) if any spec matches nothing. An op
+    spec gives a name per matched module (``"layer1.0:add_"``); whether that module's forward
+    really calls the op is known only when it runs (see `layertap.tap`).
 
     >>> import torchvision, torch.nn as nn
     >>> m = torchvision.models.resnet18()
@@ -203,6 +263,8 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
     ['layer1.0.bn1', 'layer1.0.bn2', 'layer2.0.bn1']
     >>> len(select(m, nn.Conv2d))
     20
+    >>> select(m, "layer1.*:add_")
+    ['layer1.0:add_', 'layer1.1:add_']
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -212,7 +274,15 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
         raise ValueError("no layers given: pass a name, a glob, a regex, a class or a predicate")
     names = _aliases(index)
     chosen: set[str] = set()
+    ops: dict[str, list[str]] = {}  # module name -> ops chosen on it, in the order given
     for spec in specs:
+        op_spec = _op_spec(spec)
+        if op_spec is not None:
+            module_spec, op = op_spec
+            for name in select(model, module_spec):
+                ops.setdefault(name, []).append(op)
+            continue
+        assert not isinstance(spec, tuple)  # pairs are op specs
         if _is_name(spec):
             # an exact name, with or without wrapper segments; only a name selects the root ("")
             hits = {names[spec]} if spec in names else set()
@@ -229,13 +299,18 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
         if not hits:
             raise not_found(spec, {name: layer.module for name, layer in index.items()})
         chosen |= hits
-    return [name for name in index if name in chosen]
+    out = []
+    for name in index:
+        if name in chosen:
+            out.append(name)
+        out.extend(f"{name}:{op}" for op in dict.fromkeys(ops.get(name, ())))
+    return out
 
 
 def resolve(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
     """Map already-selected canonical names to their modules."""
     all_layers = named_layers(model)
-    return {name: all_layers[name] for name in names}
+    return {name: all_layers[owner(name)] for name in names}
 
 
-__all__ = ["select", "named_layers", "aliases", "wrapped_child", "resolve", "Spec", "Layers"]
+__all__ = ["select", "named_layers", "aliases", "wrapped_child", "resolve", "split_op", "owner", "OpName", "Spec", "Layers"]

@@ -35,6 +35,26 @@ How values are kept correct and cheap:
   path. So is a call outside a forward of the tapped model (a submodule called on its own).
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
   `TapError` naming the layer, with the original error chained.
+
+Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.select`):
+
+- Module hooks see only what crosses a module's boundary; the residual sum, an ``F.relu`` or
+  the attention probabilities are plain function calls inside ``forward``. For every module with
+  a tapped op, the tap wraps that module's ``forward`` (and marks the forwards of its
+  descendants) for its lifetime; while such a forward runs, a ``TorchFunctionMode`` sees each
+  torch function it calls. An op belongs to the innermost module whose ``forward`` called it:
+  ops inside a child's forward, or inside any hook (they run outside ``forward``), are not the
+  parent's. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
+- Cost: nothing for modules without op taps, whose forwards are untouched. Inside a wrapped
+  forward every torch function call passes through one Python function (a few microseconds);
+  only the tapped ops do more. Everything is restored when the tap ends, on exceptions too.
+- An op's output, inputs (its tensor arguments), ``grad``, ``grad_input``, ``edit`` and
+  ``stop_early`` work as for modules, with the same in-place guarantee: ``add_`` is captured
+  before a later ``relu_`` changes it.
+
+``observe=f(name, kind, call, value)`` hands each value to ``f`` inside the hook instead of
+keeping it, uncopied (valid during the call only): statistics and searches read every layer
+without holding any. `Tap.order` is the order the tapped layers and ops first ran.
 """
 
 from __future__ import annotations
@@ -48,17 +68,19 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from . import nested
 from .controls import Reduce, make_transform, shares_memory
 from .errors import LayerNotFoundError, LayerNotRunError, LayertapError, TapError
-from .select import Layers, aliases, named_layers, not_found, select, wrapped_child
+from .select import Layers, aliases, named_layers, not_found, owner, select, split_op, wrapped_child
 
 Kind = Literal["output", "input", "grad", "grad_input"]
 KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
 KEEPS = ("last", "first", "all")
 Edit = Callable[[str, Any], Any] | Mapping[Any, Callable[[str, Any], Any]] | None
+Observe = Callable[[str, str, int, Any], None] | None
 
 
 class Inputs(NamedTuple):
@@ -68,9 +90,38 @@ class Inputs(NamedTuple):
     kwargs: dict
 
 
-# module -> {(kind, call position in a forward): whether a later in-place op changed its value},
-# shared by every tap
-_LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], bool]] = weakref.WeakKeyDictionary()
+# module -> {(kind, op or "", call position in a forward): whether a later in-place op changed
+# its value}, shared by every tap
+_LEARNED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str, int], bool]] = weakref.WeakKeyDictionary()
+
+# Python operators reach a mode under their dunder names; the tap names them as torch does
+_OPERATORS = {
+    "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "and": "bitwise_and",
+    "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not", "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift",
+}  # fmt: skip
+_OP_NAMES: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """The name an op spec uses for a torch function: ``torch.Tensor.__iadd__`` is ``add_``,
+    ``Tensor.__rsub__`` is ``rsub``, ``x.mT`` is ``mT``, ``F.softmax`` is ``softmax``."""
+    try:
+        return _OP_NAMES[func]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(func, "__name__", "") or type(func).__name__
+    if name == "__get__":  # a property such as x.mT
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    elif name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        inplace = core.startswith("i") and core[1:] in ("add", "sub", "mul", "matmul", "pow", *_OPERATORS)
+        if inplace or (core.startswith("r") and core[1:] in ("add", "mul", "matmul", "pow", *_OPERATORS)):
+            core = core[1:]
+        name = _OPERATORS.get(core, core) + ("_" if inplace else "")
+    with contextlib.suppress(TypeError):
+        _OP_NAMES[func] = name
+    return name
 
 
 class _Alias(torch.autograd.Function):
@@ -92,6 +143,29 @@ class _StopForward(Exception):
     def __init__(self, tap: Tap) -> None:
         super().__init__("layertap stopped the forward after the last tapped layer")
         self.tap = tap
+
+
+class _Frame:
+    """One running forward of a module with tapped ops: its ops' call counts so far."""
+
+    __slots__ = ("counts", "module", "sites", "star")
+
+    def __init__(self, module: str, sites: dict[str, list[tuple[str, int | None]]], star: bool) -> None:
+        self.module = module
+        self.sites = sites  # op -> [(tap name, the K of "#K" or None)]
+        self.star = star  # "module:*": every op
+        self.counts: dict[str, int] = {}
+
+
+class _OpMode(TorchFunctionMode):
+    """Hands every torch function call to the tap; on the mode stack only inside a wrapped forward."""
+
+    def __init__(self, on_op: Callable[..., Any]) -> None:
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.on_op(func, args, kwargs or {})
 
 
 def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> TapError:
@@ -219,6 +293,7 @@ class Tap(Mapping):
         reduce: Reduce = None,
         stop_early: bool = False,
         edit: Edit = None,
+        observe: Observe = None,
     ) -> None:
         kinds = (capture,) if isinstance(capture, str) else tuple(capture)
         unknown = [k for k in kinds if k not in KINDS]
@@ -231,11 +306,24 @@ class Tap(Mapping):
                 "stop_early=True cuts the forward, so no backward can reach the tapped layers: "
                 "drop stop_early to capture gradients"
             )
+        if observe is not None and not callable(observe):
+            raise TypeError(f"observe must be a function f(name, kind, call, value), got {type(observe).__name__}")
         self.model = model
-        self.names: list[str] = select(model, layers)
-        self._tapped = frozenset(self.names)
+        self._layers = named_layers(model)
+        selected = select(model, layers)
+        # "module:*" names every op as it runs; the other names are known now
+        self._star = {owner(n) for n in selected if n.endswith(":*")}
+        if self._star and stop_early:
+            raise TapError("stop_early=True needs a known set of layers: name the ops instead of 'module:*'")
+        self.names: list[str] = [n for n in selected if not n.endswith(":*")]
+        self._tapped = set(self.names)
+        self._module_aliases: dict[str, list[str]] = {}
+        for alias, name in aliases(model).items():
+            self._module_aliases.setdefault(name, []).append(alias)
         # a tapped layer may be read by its name with or without wrapper segments
-        self._aliases = {alias: name for alias, name in aliases(model).items() if name in self._tapped}
+        self._aliases: dict[str, str] = {}
+        for name in self.names:
+            self._add_aliases(name)
         # nn.DataParallel runs replicas of every module in threads, one per device; they share the
         # hooks, so the tap gathers their parts in device (= batch) order
         parallel = model if isinstance(model, nn.DataParallel) and model.device_ids else None
@@ -247,17 +335,30 @@ class Tap(Mapping):
         self.capture = kinds
         self.keep = keep
         self.stop_early = stop_early
-        self._layers = named_layers(model)
+        self._observe = observe
         self._edits = self._resolve_edits(edit)
+        # module name -> op -> [(tap name, the K of "#K" or None)]: tapped and edited ops
+        self._sites: dict[str, dict[str, list[tuple[str, int | None]]]] = {}
+        for name in dict.fromkeys(self.names + list(self._edits)):
+            op = split_op(name)
+            if op is not None:
+                self._sites.setdefault(op.module, {}).setdefault(op.op, []).append((name, op.call))
+        if (self._sites or self._star) and parallel:
+            raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
+        self._frames: list[_Frame | None] = []
+        self._mode = _OpMode(self._on_op)
+        # module name -> op -> most calls in one forward, for every op that returned a tensor
+        self._ops_seen: dict[str, dict[str, int]] = {}
         self._transform = make_transform(detach=detach, to=to, dtype=dtype, reduce=reduce)
         self._stores = {k: _Store(k, keep) for k in kinds}
         self._handles: list[RemovableHandle] = []
         self._restore: contextlib.ExitStack | None = None
         self._calls: dict[str | tuple[str, int], int] = {}  # calls counted per layer since clear()
+        self._order: dict[str, None] = {}  # names in the order their first call started
         # the counts when the running forward of the model started (None outside one): a call's
         # position within its forward is its count minus this. Only a tap that may keep a
         # tensor of the network's own needs it: a reduction always makes a fresh one
-        self._learns = reduce is None and bool({"output", "input"} & set(kinds))
+        self._learns = reduce is None and observe is None and bool({"output", "input"} & set(kinds))
         self._start: dict[str | tuple[str, int], int] | None = None
         self._fired: set[str] = set()
         # (kind, name, position) -> None: unknown yet, True: changed in place downstream, so copy;
@@ -269,6 +370,14 @@ class Tap(Mapping):
         # outlive the tap (None: grad_input is not captured)
         self._given: set[int] | None = set() if "grad_input" in kinds else None
         self._given_hooks: list[RemovableHandle] = []
+        self._want_input = "input" in kinds
+        self._want_grad_input = "grad_input" in kinds
+        self._only_inputs = not ({"output", "grad"} & set(kinds))
+
+    def _add_aliases(self, name: str) -> None:
+        module, op = owner(name), name[len(owner(name)):]  # op: "" or ":add_#2"
+        for alias in self._module_aliases.get(module, [module]):
+            self._aliases.setdefault(alias + op, name)
 
     def _resolve_edits(self, edit: Edit) -> dict[str, Callable[[str, Any], Any]]:
         if edit is None:
@@ -278,8 +387,24 @@ class Tap(Mapping):
         edits: dict[str, Callable[[str, Any], Any]] = {}
         for spec, fn in edit.items():
             for name in select(self.model, spec):
+                if name.endswith(":*"):
+                    raise TapError(f"edit= needs named ops, not {name!r}: list the ops with summary(model, x, ops=True)")
                 edits[name] = fn
         return edits
+
+    @property
+    def order(self) -> list[str]:
+        """The tapped names (layers and ops) in the order their first call started, since the tap
+        began or ``clear()``: parents before their children, as the forward ran them.
+
+        >>> import torch, torchvision, layertap
+        >>> model = torchvision.models.resnet18()
+        >>> with layertap.tap(model, ["layer2", "conv1", "layer1.0:add_"]) as t:
+        ...     _ = model(torch.randn(1, 3, 64, 64))
+        >>> t.order
+        ['conv1', 'layer1.0:add_', 'layer2']
+        """
+        return list(self._order)
 
     # ------------------------------------------------------------------ hook lifetime
     def __enter__(self) -> Tap:
@@ -315,24 +440,67 @@ class Tap(Mapping):
         for store in self._stores.values():
             store.entries.clear()
         self._calls.clear()
+        self._order.clear()
         self._fired.clear()
         if self._start is not None:
             self._start = {}
 
     def _register(self) -> None:
-        hooked = list(dict.fromkeys(self.names + list(self._edits)))
-        wants_pre = "input" in self.capture or "grad_input" in self.capture
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._on_root_start, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._on_root_end, always_call=True))
-        for name in hooked:
+        for name in dict.fromkeys(self.names + list(self._edits)):
+            if split_op(name) is not None:
+                continue
             module = self._layers[name]
-            tapped = name in self.names
-            if tapped and wants_pre:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
-                )
+            tapped = name in self._tapped
+            if tapped:  # notes the start (for `order`) and captures inputs
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._hook(name, tapped)))
+        # every module with tapped ops runs in its own frame; its descendants in a blind one
+        framed: dict[int, tuple[nn.Module, str | None]] = {}
+        sited = list(dict.fromkeys([*self._sites, *sorted(self._star)]))
+        for site in sited:
+            framed[id(self._layers[site])] = (self._layers[site], site)
+        for site in sited:
+            for sub in self._layers[site].modules():
+                framed.setdefault(id(sub), (sub, None))
+        for module, frame in framed.values():
+            self._wrap_forward(module, frame)
+
+    def _wrap_forward(self, module: nn.Module, name: str | None) -> None:
+        """Run ``module``'s forward inside a frame: ``name``'s ops are seen, a descendant's are not."""
+        assert self._restore is not None
+        frames, mode = self._frames, self._mode
+        sites = self._sites.get(name, {}) if name is not None else {}
+        star = name in self._star
+        seen = self._ops_seen
+        inner = module.forward
+        own = module.__dict__.get("forward")
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if name is None:
+                if not frames:  # a descendant called outside a framed forward: nothing to hide
+                    return inner(*args, **kwargs)
+                frames.append(None)
+            else:
+                seen.setdefault(name, {})
+                frames.append(_Frame(name, sites, star))
+                if len(frames) == 1:
+                    mode.__enter__()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                frames.pop()
+                if name is not None and not frames:
+                    mode.__exit__(None, None, None)
+
+        module.forward = forward  # restored when the tap ends
+        if own is None:
+            self._restore.callback(module.__dict__.pop, "forward", None)
+        else:
+            self._restore.callback(setattr, module, "forward", own)
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._fired.clear()
@@ -355,67 +523,136 @@ class Tap(Mapping):
     def _learn(self, key: tuple[str, str, int], changed: bool) -> None:
         kind, name, position = key
         self._copy[key] = changed
-        _LEARNED.setdefault(self._layers[name], {})[kind, position] = changed
+        module = owner(name)
+        _LEARNED.setdefault(self._layers[module], {})[kind, name[len(module):], position] = changed
 
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
-        want_input = "input" in self.capture
-        want_grad = "grad_input" in self.capture
-        only_inputs = not ({"output", "grad"} & set(self.capture))
+        want_inputs = self._want_input or self._want_grad_input
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-            changed = None
+            if name not in self._order:
+                self._order[name] = None
+            if not want_inputs:
+                return None
             single = len(args) == 1 and not kwargs
             value = args[0] if single else Inputs(args, kwargs)
-            try:
-                part = self._replica(module, name, value)
-                key = name if part is None else (name, part)
-                index = self._next_call(key) if only_inputs else self._calls.get(key, 0)
-                if want_grad:
-                    value = self._watch_grads("grad_input", name, index, value, part)
-                    changed = ((value,), {}) if single else (value.args, value.kwargs)
-                if want_input:
-                    self._record("input", name, index, value, part)
-            except LayertapError:
-                raise
-            except Exception as e:  # costs nothing unless raised
-                raise _capture_failed("input", name, module, e) from e
-            if only_inputs:
-                self._fire(name)
-            return changed
+            value = self._take_input(name, module, value, self._replica(module, name, value))
+            if not self._want_grad_input:
+                return None
+            return ((value,), {}) if single else (value.args, value.kwargs)
 
         return hook
 
     def _hook(self, name: str, tapped: bool) -> Callable:
         edit = self._edits.get(name)
-        want_output = tapped and "output" in self.capture
-        want_grad = tapped and "grad" in self.capture
-        counts = tapped and ("output" in self.capture or want_grad)
+        counts = tapped and not self._only_inputs
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            replaced = None
             # the edit runs first: what it returns is what flows on, is captured and gets the
             # gradient hooks (heatmaps rely on this to turn autograd on at their layer)
-            if edit is not None:
-                new = edit(name, output)
-                if new is not None:
-                    output = replaced = new
+            new = edit(name, output) if edit is not None else None
+            if new is not None:
+                output = new
             if counts:
-                try:
-                    part = self._replica(module, name, output)
-                    index = self._next_call(name if part is None else (name, part))
-                    if want_grad:
-                        output = replaced = self._watch_grads("grad", name, index, output, part)
-                    if want_output:
-                        self._record("output", name, index, output, part)
-                except LayertapError:
-                    raise
-                except Exception as e:
-                    raise _capture_failed("output", name, module, e) from e
-                self._fire(name)
-            return replaced
+                taken = self._take_output(name, module, output, self._replica(module, name, output))
+                if taken is not output:
+                    new = taken
+            return new
 
         return hook
+
+    def _take_input(self, name: str, module: nn.Module, value: Any, part: int | None = None) -> Any:
+        """Capture one call's input; returns it, with gradient hooks if ``grad_input`` is captured."""
+        try:
+            key = name if part is None else (name, part)
+            index = self._next_call(key) if self._only_inputs else self._calls.get(key, 0)
+            if self._want_grad_input:
+                value = self._watch_grads("grad_input", name, index, value, part)
+            if self._want_input:
+                self._record("input", name, index, value, part)
+        except LayertapError:
+            raise
+        except Exception as e:  # costs nothing unless raised
+            raise _capture_failed("input", name, module, e) from e
+        if self._only_inputs:
+            self._fire(name)
+        return value
+
+    def _take_output(self, name: str, module: nn.Module, output: Any, part: int | None = None) -> Any:
+        """Capture one call's output; returns it, with gradient hooks if ``grad`` is captured."""
+        try:
+            index = self._next_call(name if part is None else (name, part))
+            if "grad" in self._stores:
+                output = self._watch_grads("grad", name, index, output, part)
+            if "output" in self._stores:
+                self._record("output", name, index, output, part)
+        except LayertapError:
+            raise
+        except Exception as e:
+            raise _capture_failed("output", name, module, e) from e
+        self._fire(name)
+        return output
+
+    def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """One torch function call inside a wrapped forward (the mode is off while this runs)."""
+        frame = self._frames[-1]
+        if frame is None:  # inside a descendant's forward: not this module's op
+            return func(*args, **kwargs)
+        op = op_name(func)
+        count = frame.counts[op] = frame.counts.get(op, 0) + 1
+        hits = [name for name, call in frame.sites.get(op, ()) if call is None or call == count]
+        if not hits and not frame.star:
+            out = func(*args, **kwargs)
+            self._saw(frame.module, op, count, out)
+            return out
+        tapped = [name for name in hits if name in self._tapped]
+        module = self._layers[frame.module]
+        if tapped and (self._want_input or self._want_grad_input):
+            single = len(args) == 1 and not kwargs
+            value: Any = args[0] if single else Inputs(args, kwargs)
+            for name in tapped:
+                self._started(name)
+                value = self._take_input(name, module, value)
+            if self._want_grad_input:
+                args, kwargs = ((value,), {}) if single else (value.args, value.kwargs)
+        out = func(*args, **kwargs)
+        if not self._saw(frame.module, op, count, out):
+            return out  # size(), dim(), shape: nothing to tap
+        if frame.star:
+            star = f"{frame.module}:{op}#{count}"
+            if star not in self._tapped:
+                self.names.append(star)
+                self._tapped.add(star)
+                self._add_aliases(star)
+            tapped.append(star)
+            self._started(star)
+            if self._want_input or self._want_grad_input:
+                single = len(args) == 1 and not kwargs
+                self._take_input(star, module, args[0] if single else Inputs(args, kwargs))
+        for name in hits:
+            edit = self._edits.get(name)
+            new = edit(name, out) if edit is not None else None
+            if new is not None:
+                out = new
+        if not self._only_inputs:
+            for name in tapped:
+                self._started(name)
+                out = self._take_output(name, module, out)
+        return out
+
+    def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
+        """Note an op of ``module`` that returned a tensor (for discovery and errors)."""
+        if not isinstance(out, torch.Tensor) and nested.first_tensor(out) is None:
+            return False
+        seen = self._ops_seen[module]
+        if seen.get(op, 0) < count:
+            seen[op] = count
+        return True
+
+    def _started(self, name: str) -> None:
+        if name not in self._order:
+            self._order[name] = None
 
     def _next_call(self, key: str | tuple[str, int]) -> int:
         # the pre-hook reads the count without advancing it: the forward hook counts the call
@@ -453,10 +690,13 @@ class Tap(Mapping):
             raise _StopForward(self)
 
     def _record(self, kind: Kind, name: str, index: int, value: Any, part: int | None = None) -> None:
+        transform = self._transform
+        if self._observe is not None:  # handed over as it is now, kept by nobody here
+            self._observe(name, kind, index, nested.map_leaves(transform, value))
+            return
         store = self._stores[kind]
         if not store.wants(name, index):
             return
-        transform = self._transform
         guards: list = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -473,7 +713,9 @@ class Tap(Mapping):
             try:
                 copy = self._copy[key]
             except KeyError:  # new to this tap: what an earlier tap learned, if any
-                copy = self._copy[key] = _LEARNED.get(self._layers[name], {}).get((kind, position))
+                module = owner(name)
+                learned = _LEARNED.get(self._layers[module], {})
+                copy = self._copy[key] = learned.get((kind, name[len(module):], position))
             if copy is False:
                 guards.append((out, out._version, key))
                 return out
@@ -491,12 +733,13 @@ class Tap(Mapping):
                 "torch.inference_mode(): run the forward without them"
             )
         store = self._stores[kind]
-        if not store.wants(name, index):
+        observe = self._observe
+        if observe is None and not store.wants(name, index):
             return value
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
         grads = _Grads(skeleton, next(counter))
-        if self.keep == "all":  # one entry per call, in call order; None until a backward reaches it
+        if self.keep == "all" and observe is None:  # one entry per call, in call order; None until a backward reaches it
             grads.stored = True
             self._put(store, name, index, grads, [], part)
         transform = self._transform
@@ -521,6 +764,9 @@ class Tap(Mapping):
 
             def on_grad(g: torch.Tensor) -> None:
                 kept = transform(g)
+                if observe is not None:  # each tensor's gradient as backward reaches it
+                    observe(name, kind, index, kept)
+                    return
                 # a gradient that flows on unchanged into a leaf becomes its .grad, which later
                 # backwards add to in place: keep a copy (a reduced, cast or moved one is fresh)
                 grads.slots[i] = kept.clone() if shares_memory(kept, g) else kept
@@ -540,8 +786,11 @@ class Tap(Mapping):
         if kind not in self._stores:
             raise TapError(f"capture={kind!r} was not requested: add it, e.g. capture=('output', {kind!r})")
         layer = self._name(name)
+        if self._observe is not None:
+            raise TapError(f"this tap hands every value to observe= and keeps none: read {layer!r} there")
         store = self._stores[kind]
         if not store.has(layer):
+            self._check_op(layer)
             when = "no backward reached it" if kind.startswith("grad") else "it did not run"
             given = (
                 "; a gradient with respect to the model's own inputs is recorded only by a backward "
@@ -565,6 +814,24 @@ class Tap(Mapping):
                 )
             values.append(value.value() if isinstance(value, (_Grads, _Parts)) else value)
         return values if self.keep == "all" else values[0]
+
+    def _check_op(self, name: str) -> None:
+        """Raise `LayerNotFoundError` for an op its module ran without calling."""
+        op = split_op(name)
+        seen = self._ops_seen.get(op.module) if op is not None else None
+        if op is None or seen is None or seen.get(op.op, 0) >= (op.call or 1):
+            return
+        module = self._layers[op.module]
+        where = f"module {op.module!r}" if op.module else "the model"
+        if op.op in seen:
+            wrong = f"is called {seen[op.op]} time(s) per forward of {where}, so it has no call #{op.call}"
+        else:
+            wrong = f"is not called by the forward of {where} ({type(module).__name__})"
+        calls = ", ".join(sorted(seen)) or "no torch function that returns a tensor"
+        raise LayerNotFoundError(
+            f"op {op.op!r} {wrong}; its own forward calls: {calls}. Ops inside a child module belong "
+            f"to the child (tap 'child:op'); list them with layertap.summary(model, x, ops=True)"
+        )
 
     def _name(self, name: str) -> str:
         layer = self._aliases.get(name)
@@ -676,6 +943,7 @@ def tap(
     reduce: Reduce = None,
     stop_early: bool = False,
     edit: Edit = None,
+    observe: Observe = None,
 ) -> Tap:
     """Tap ``layers`` of ``model`` for the duration of a ``with`` block.
 
@@ -696,6 +964,15 @@ def tap(
             ``with`` block.
         edit: ``f(name, output) -> new_output`` for every tapped layer, or ``{spec: f}``; the
             result (unless ``None``) replaces the output downstream, and is what is captured.
+        observe: ``f(name, kind, call, value)``, called inside the hook with each value as it
+            would be stored (after ``detach``/``to``/``dtype``/``reduce``), for every call
+            whatever ``keep`` says; the tap then keeps nothing. ``call`` counts the layer's
+            calls since the tap began (or ``clear()``). The value is not copied: it is valid
+            during the call only (a later in-place op may change it). A gradient is handed over
+            tensor by tensor, as the backward reaches each.
+
+    Layers may be ops inside a module's forward (``"layer1.0:add_"``, see `layertap.select`),
+    with every option above.
 
     >>> import torch, torchvision, layertap
     >>> model = torchvision.models.resnet18()
@@ -716,7 +993,8 @@ def tap(
         reduce=reduce,
         stop_early=stop_early,
         edit=edit,
+        observe=observe,
     )
 
 
-__all__ = ["tap", "Tap", "Inputs", "KINDS", "LayerNotFoundError"]
+__all__ = ["tap", "Tap", "Inputs", "KINDS", "LayerNotFoundError", "op_name"]
