@@ -41,7 +41,7 @@ def extract(
         ..., exists=True, help="The inputs: an image folder (class sub-folders become labels), an image file or a .npy array."
     ),
     layers: list[str] = typer.Option(
-        ..., "--layers", help="Layers to keep (names, globs like 'layer*', 're:REGEX'); repeatable."
+        ..., "--layers", help="Layers to keep (names, globs like 'layer*', 're:REGEX', ops inside a module like 'layer1.0:add_'); repeatable."
     ),
     out: str = typer.Option(
         ..., "--out", help="The store: a .zarr folder (default), a .h5 file, a folder with --format npy, or a Zarr URL (s3://bucket/f.zarr)."

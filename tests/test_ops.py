@@ -1,0 +1,288 @@
+"""Op taps: torch function calls inside a module's own forward, against independent references.
+
+References: torchvision FX node outputs (same ops, same batch: bit-equal), values stashed by hand
+inside ``forward`` (a model FX cannot trace), plain autograd for gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.models.feature_extraction import create_feature_extractor
+
+import layertap
+from layertap import LayerNotFoundError, TapError
+from layertap.select import split_op
+from layertap.tap import op_name
+
+
+def _fx_pairs(model: nn.Module, fx_names: list[str], renames: dict[str, str]) -> dict[str, str]:
+    """FX node name -> the op tap name for the same call (FX numbers repeats ``op_1``, we ``op#2``)."""
+    pairs = {}
+    for fx in fx_names:
+        prefix, _, last = fx.rpartition(".")
+        m = re.fullmatch(r"([a-z_0-9]+?)(?:_(\d+))?", last)
+        assert m is not None
+        op, k = m.group(1), m.group(2)
+        pairs[fx] = f"{prefix}:{renames.get(op, op)}" + (f"#{int(k) + 1}" if k else "")
+    return pairs
+
+
+FX_CASES = {
+    # `out += identity` is traced by FX as an add node; eagerly it is Tensor.add_
+    "resnet50": (lambda names: [n for n in names if n.endswith(".add")], {"add": "add_"}),
+    "densenet121": (
+        lambda names: [n for n in names if n.endswith(".cat")] + ["relu", "adaptive_avg_pool2d", "flatten"],
+        {},
+    ),
+    "efficientnet_b0": (lambda names: [n for n in names if n.endswith(".add")] + ["flatten"], {"add": "add_"}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FX_CASES))
+def test_op_outputs_equal_torchvision_fx_nodes(arch):
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, arch)().eval()
+    pick, renames = FX_CASES[arch]
+    from torchvision.models.feature_extraction import get_graph_node_names
+
+    fx_names = pick(get_graph_node_names(model)[1])
+    pairs = _fx_pairs(model, fx_names, renames)
+    x = torch.randn(2, 3, 64, 64)
+    # FX returns the node's tensor itself, which a later in-place ReLU overwrites (resnet's
+    # `out += identity; out = relu(out)`): its reference runs a copy without in-place ReLUs, the
+    # same arithmetic. The tap runs the model as it is and must still give the value before it.
+    fx_model = copy.deepcopy(model)
+    for m in fx_model.modules():
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
+    with torch.no_grad():
+        reference = create_feature_extractor(fx_model, return_nodes=fx_names)(x)
+        with layertap.tap(model, list(pairs.values())) as taps:
+            model(x)
+    assert len(pairs) >= 10 if arch != "efficientnet_b0" else len(pairs) >= 9
+    for fx, ours in pairs.items():
+        assert torch.equal(taps[ours], reference[fx]), (fx, ours)
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow FX cannot trace; stashes its intermediate values by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stash: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = self.lin(x)
+        steps = int(h.abs().sum() > 1) + 1  # data decides how many steps run
+        for _ in range(steps):
+            h = torch.tanh(h) * 2
+            self.stash.append(h.detach().clone())
+        if h.mean() > 0:
+            h = h.exp()
+        else:
+            h = -h
+        h += 1  # in place: the tap must keep the value before the relu_ below
+        self.stash.append(h.detach().clone())
+        return h.relu_()
+
+
+def test_untraceable_model_ops_match_values_stashed_in_forward():
+    torch.manual_seed(0)
+    model = Untraceable()
+    with pytest.raises(TypeError):  # FX: a Proxy cannot be turned into a bool or an int
+        torch.fx.symbolic_trace(model)
+    x = torch.randn(4, 8) * 3
+    with torch.no_grad(), layertap.tap(model, [":mul", ":add_", ":mul#2"], keep="all") as taps:
+        model(x)
+    *steps, summed = model.stash
+    assert len(steps) == 2
+    torch.testing.assert_close(taps[":mul"], steps, rtol=0, atol=0)
+    assert torch.equal(taps[":mul#2"][0], steps[1])
+    assert torch.equal(taps[":add_"][0], summed)
+    assert (summed < 0).any()  # the relu_ after it would have changed a kept view
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h += x
+        return torch.relu_(h) * 3
+
+
+def test_op_gradients_equal_autograd_through_in_place_ops():
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(5, 6, requires_grad=True)
+    with layertap.tap(model, ":add_", capture=("output", "input", "grad", "grad_input")) as taps:
+        model(x).square().sum().backward()
+    # reference: the same math out of place, the sum's gradient from autograd
+    h = model.lin(x)
+    s = h + x
+    s.retain_grad()
+    h.retain_grad()
+    (torch.relu(s) * 3).square().sum().backward()
+    assert torch.equal(taps[":add_"], s.detach())
+    torch.testing.assert_close(taps.grads[":add_"], s.grad, rtol=1e-6, atol=1e-6)
+    inputs = taps.inputs[":add_"]
+    assert isinstance(inputs, layertap.Inputs)
+    assert torch.equal(inputs.args[0], h.detach())  # captured before add_ changed it
+    assert torch.equal(inputs.args[1], x.detach())
+    # the in-place op's first argument is the same tensor its output is; its gradient is the sum's
+    torch.testing.assert_close(taps.grad_inputs[":add_"].args[1], s.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_in_place_op_keeps_its_value_across_forwards_on_resnet():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    block = model.layer1[0]
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), layertap.tap(model, ["layer1.0:add_", "maxpool"], keep="all") as taps:
+        model(x)
+        model(x.flip(0))
+    for i, inp in enumerate(taps["maxpool"]):
+        expected = block.bn2(block.conv2(block.relu(block.bn1(block.conv1(inp))))) + inp
+        assert torch.equal(taps["layer1.0:add_"][i], expected)
+        assert (expected < 0).any()
+
+
+def test_edit_replaces_an_op_result_downstream():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 64, 64)
+
+    def no_residual(name, out):
+        return model_input.pop()  # the block's output before the skip: ablate the identity
+
+    # reference: the block with its skip connection removed, by hand
+    block = model.layer1[0]
+    with torch.no_grad(), layertap.tap(model, "maxpool") as first:
+        model(x)
+    inp = first["maxpool"]
+    branch = block.bn2(block.conv2(block.relu(block.bn1(block.conv1(inp)))))
+    model_input = [branch.clone()]
+    with torch.no_grad(), layertap.tap(model, ["layer1.0", "layer1.0:add_"], edit={"layer1.0:add_": no_residual}) as taps:
+        model(x)
+    assert torch.equal(taps["layer1.0:add_"], branch)
+    assert torch.equal(taps["layer1.0"], branch.relu())
+
+
+def test_stop_early_after_the_last_tapped_op():
+    model = torchvision.models.resnet18().eval()
+    ran = []
+    handle = model.layer2.register_forward_hook(lambda *a: ran.append(1))
+    try:
+        with torch.no_grad(), layertap.tap(model, "layer1.1:add_", stop_early=True) as taps:
+            model(torch.randn(1, 3, 32, 32))
+    finally:
+        handle.remove()
+    assert ran == [] and taps["layer1.1:add_"].shape == (1, 64, 8, 8)
+
+
+def test_selectors_and_names():
+    model = torchvision.models.resnet18()
+    assert layertap.select(model, "layer1.*:add_") == ["layer1.0:add_", "layer1.1:add_"]
+    assert layertap.select(model, (torchvision.models.resnet.BasicBlock, "add_"))[:2] == ["layer1.0:add_", "layer1.1:add_"]
+    assert layertap.select(model, "re:layer4\\.[01]:add_") == ["layer4.0:add_", "layer4.1:add_"]
+    assert layertap.select(model, ":flatten") == [":flatten"]
+    assert split_op("layer1.0:relu#2") == ("layer1.0", "relu", 2)
+    assert split_op("re:(?:a)") is None
+    assert [op_name(f) for f in (torch.Tensor.__iadd__, torch.Tensor.__rsub__, torch.Tensor.__truediv__, F.softmax)] == [
+        "add_", "rsub", "div", "softmax"
+    ]
+
+
+def test_unknown_op_names_what_the_module_really_calls():
+    model = torchvision.models.resnet18().eval()
+    with torch.no_grad(), layertap.tap(model, ["layer1.0:softmax", "layer1.0:add_#2"]) as taps:
+        model(torch.randn(1, 3, 32, 32))
+    with pytest.raises(LayerNotFoundError, match=r"'softmax' is not called by the forward of module 'layer1.0' \(BasicBlock\); its own forward calls: add_"):
+        taps["layer1.0:softmax"]
+    with pytest.raises(LayerNotFoundError, match=r"called 1 time\(s\) per forward .* no call #2"):
+        taps["layer1.0:add_#2"]
+    with pytest.raises(LayerNotFoundError, match="matches no layer"):
+        layertap.tap(model, "layer9:add_")
+
+
+def test_ops_of_children_are_not_the_parents():
+    model = torchvision.models.resnet18().eval()
+    with torch.no_grad(), layertap.tap(model, ["layer1:*", "layer1.0:*"]) as taps:
+        model(torch.randn(1, 3, 32, 32))
+    # layer1 is a Sequential: its own forward calls only its children, no torch function
+    assert taps.names == ["layer1.0:add_#1"]
+
+
+def test_mode_and_wrappers_are_removed_even_when_the_forward_fails():
+    model = torchvision.models.resnet18().eval()
+    with pytest.raises(RuntimeError), layertap.tap(model, ["layer1.0:add_", "layer2.0:add_"]):
+        model(torch.randn(1, 5, 32, 32))  # wrong channel count: conv1 fails
+    with pytest.raises(RuntimeError), layertap.tap(model, "layer1.0:add_"):
+        model.layer1[0](torch.randn(1, 3, 8, 8))  # fails inside the framed forward
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not torch.overrides._is_torch_function_mode_enabled()
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))  # and the model still runs
+
+
+def test_modules_without_op_taps_are_left_alone():
+    model = torchvision.models.resnet18().eval()
+    with layertap.tap(model, ["layer2", "layer1.0:add_"]):
+        wrapped = {name for name, m in model.named_modules() if "forward" in m.__dict__}
+    assert wrapped == {"layer1.0", "layer1.0.conv1", "layer1.0.bn1", "layer1.0.relu", "layer1.0.conv2", "layer1.0.bn2"}
+
+
+def test_op_taps_under_inference_mode_and_compile():
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), layertap.tap(model, "layer3.1:add_") as plain:
+        model(x)
+    with torch.inference_mode(), layertap.tap(model, "layer3.1:add_") as taps:
+        model(x)
+    assert torch.equal(taps["layer3.1:add_"], plain["layer3.1:add_"])
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad(), layertap.tap(compiled, "layer3.1:add_", reduce="mean") as taps:
+        compiled(x)
+    torch.testing.assert_close(taps["layer3.1:add_"], plain["layer3.1:add_"].mean((2, 3)), rtol=1e-6, atol=1e-6)
+
+
+def test_observe_and_order_with_ops():
+    model = torchvision.models.resnet18().eval()
+    seen = []
+    with torch.no_grad(), layertap.tap(model, ["layer1.1:add_", "layer1.1", "layer1.0:add_"], observe=lambda *a: seen.append(a[:3])) as taps:
+        model(torch.randn(1, 3, 32, 32))
+    assert seen == [("layer1.0:add_", "output", 0), ("layer1.1:add_", "output", 0), ("layer1.1", "output", 0)]
+    assert taps.order == ["layer1.0:add_", "layer1.1", "layer1.1:add_"]
+    with pytest.raises(TapError, match="observe="):
+        taps["layer1.1"]
+
+
+def test_ops_work_in_extract_dataset_and_the_cli(tmp_path):
+    from layertap.cli import run
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(4, 3, 32, 32)
+    names = ["layer1.0:add_", ":flatten"]
+    direct = layertap.extract(model, x, names, reduce="mean")
+    layertap.extract_dataset(model, x, names, out=tmp_path / "f.zarr", batch_size=2, reduce="mean", progress=False)
+    store = layertap.open_features(tmp_path / "f.zarr")
+    for name in names:
+        torch.testing.assert_close(torch.from_numpy(store[name][:]), direct[name], rtol=1e-5, atol=1e-6)
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", x.numpy())
+    argv = ["extract", "torchvision:resnet18", str(tmp_path / "x.npy"), "--layers", "layer4.1:add_", "--format", "npy",
+            "--out", str(tmp_path / "c"), "--reduce", "mean"]  # fmt: skip
+    assert run(argv) == 0
+    assert layertap.open_features(tmp_path / "c")["layer4.1:add_"].shape == (4, 512)
