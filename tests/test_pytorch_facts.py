@@ -216,3 +216,52 @@ def test_18_torch_compile_wraps_the_model_in_an_optimized_module_as_orig_mod():
     assert [n for n, _ in compiled.named_modules()] == ["", "_orig_mod"]
     dp = nn.DataParallel(model)
     assert dp.module is model and [n for n, _ in dp.named_modules()] == ["", "module"]
+
+
+# ------------------------------------------------------------------ facts the op taps rely on
+class _Names(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", "?"))
+        return func(*args, **(kwargs or {}))
+
+
+def test_19_a_function_mode_sees_operators_under_torch_names_and_not_the_ops_inside_an_op():
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    with _Names() as mode:
+        _ = x + y
+        x += y
+        _ = x @ y.T
+        torch.nn.functional.softmax(x, dim=-1)  # calls Tensor.softmax inside: not seen again
+        torch.nn.functional.relu(x)
+    assert mode.calls == ["add", "add_", "__get__", "matmul", "softmax", "relu"]
+
+
+def test_20_an_instance_forward_runs_inside_the_hooks_and_is_restorable():
+    m = nn.Linear(2, 2)
+    order = []
+    m.register_forward_pre_hook(lambda *a: order.append("pre"))
+    m.register_forward_hook(lambda *a: order.append("post"))
+    inner = m.forward
+
+    def forward(x):
+        order.append("forward")
+        return inner(x)
+
+    m.forward = forward
+    m(torch.ones(1, 2))
+    assert order == ["pre", "forward", "post"]
+    del m.__dict__["forward"]
+    m(torch.ones(1, 2))
+    assert order[-2:] == ["pre", "post"]
+
+
+def test_21_a_function_mode_is_seen_under_no_grad_and_inference_mode():
+    with _Names() as mode, torch.inference_mode():
+        torch.ones(2).exp()
+    with _Names() as mode2, torch.no_grad():
+        torch.ones(2).exp()
+    assert "exp" in mode.calls and "exp" in mode2.calls
