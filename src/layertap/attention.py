@@ -1,8 +1,8 @@
 """Attention probabilities ``[batch, heads, queries, keys]`` from models that never compute them.
 
 >>> import torch, torchvision, layertap.attention
->>> model = torchvision.models.vit_b_16(image_size=32).eval()
->>> with torch.no_grad(), layertap.attention.attention(model) as att:
+>>> model = torchvision.models.VisionTransformer(32, 16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64)
+>>> with torch.no_grad(), layertap.attention.attention(model.eval()) as att:
 ...     logits = model(torch.randn(2, 3, 32, 32))
 >>> att["encoder.layers.encoder_layer_0.self_attention"].shape   # heads averaged, 1 + 2x2 tokens
 torch.Size([2, 1, 5, 5])
@@ -16,27 +16,36 @@ The problem, the rule and the cost:
   the attention was given: the query, key, mask, causality, scale and grouped heads of each
   ``scaled_dot_product_attention`` call (`sdpa_weights`, PyTorch's documented reference
   formula), or the inputs of an ``nn.MultiheadAttention`` through its query and key projections
-  only (`mha_weights`, the module's own ``need_weights=True`` formula). An eager ``softmax``
-  in an attention module's forward already is the probability: it is taken as it is.
-- Values, outputs and gradients of the model are untouched: the recomputation runs on detached
-  copies, without autograd, in float32 (or float64 for float64 inputs).
-- Cost: one ``q @ k.T`` and softmax per attention call, and the ``[B, H, Q, K]`` float32 tensor
-  the fused kernel avoided. ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and
-  ``heads="mean"``/``"max"`` keeps one head, so what is kept stays small.
+  only (`mha_weights`, the module's own ``need_weights=True`` formula; its softmax runs inside
+  one torch function, out of an op tap's sight). An eager ``softmax`` over the keys in an
+  attention module's own forward already is the probability: it is taken as it is.
+- The arguments are read by `layertap.tap` (an op tap, or a module input tap for
+  ``nn.MultiheadAttention``) with ``observe=``: they are used inside the call and never kept.
+  The recomputation reads detached views, without autograd, in float32 (float64 for float64
+  inputs), so the model's values, outputs and gradients are untouched.
+- Cost: one ``q @ k.T`` and softmax per attention call (plus the query and key projections for
+  ``nn.MultiheadAttention``), and the ``[B, H, Q, K]`` tensor the fused kernel avoided.
+  ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and ``heads="mean"``/``"max"``
+  keeps one head, so what is kept stays small.
 - Rows a mask hides completely (every key masked) are all zero, as PyTorch's kernels return them
   (its reference formula would give NaN).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ArgumentError
+from .controls import shares_memory
+from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
+from .select import Layers, named_layers, owner, select, split_op
+from .tap import Inputs, Tap, tap
 
 Heads = Literal["all", "mean", "max"]
 Rows = Literal["all", "cls", "last"]
@@ -183,7 +192,7 @@ def _mha(
     elif module.batch_first:
         query, key = query.transpose(0, 1), key.transpose(0, 1)
     dtype = _dtype(query)
-    length, batch, embed = query.shape
+    _, batch, embed = query.shape
     heads = module.num_heads
     head_dim = embed // heads
     if module._qkv_same_embed_dim:
@@ -244,3 +253,229 @@ def mha_weights(
     """
     with torch.no_grad():
         return _mha(module, query, key, key_padding_mask, attn_mask, is_causal, slice(None))
+
+
+# ---------------------------------------------------------------------------------- the collector
+_SDPA = "scaled_dot_product_attention"
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _arguments(value: Any, names: tuple[str, ...] | inspect.Signature) -> dict[str, Any]:
+    """A captured input (a tensor, or `Inputs`) as ``{parameter: argument}``."""
+    args, kwargs = (value.args, value.kwargs) if isinstance(value, Inputs) else ((value,), {})
+    if isinstance(names, inspect.Signature):
+        return dict(names.bind_partial(None, *args, **kwargs).arguments)
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _four_d(weights: torch.Tensor) -> torch.Tensor:
+    """``[B, H, Q, K]``: a 3-D map is one head; heads spread over several dims are merged."""
+    if weights.dim() == 4:
+        return weights
+    if weights.dim() == 3:
+        return weights[:, None]
+    if weights.dim() == 2:
+        return weights[None, None]
+    return weights.flatten(1, -3)
+
+
+def _specs(names: set[str], ops: list[str | None]) -> list[Any]:
+    """Tap specs for ``ops`` (None: the module itself) of the modules ``names``."""
+    modules: list[Any] = []
+    if names - {""}:
+        modules.append(lambda name, _m: name in names)
+    if "" in names:  # a predicate never selects the model itself, its name does
+        modules.append("")
+    return [m if op is None else (m, op) for m in modules for op in ops]
+
+
+def is_attention(name: str, module: nn.Module) -> bool:
+    """The modules `attention` searches by default (a `layertap.select` predicate): ``nn.MultiheadAttention``
+    and any module whose class name contains ``"Attention"`` (timm's ``Attention``, ``BertSelfAttention``...)."""
+    return isinstance(module, nn.MultiheadAttention) or "Attention" in type(module).__name__
+
+
+class Attention(Mapping[str, torch.Tensor]):
+    """The attention probabilities of a model's attention modules, by module name (see `attention`).
+
+    Filled while its ``with`` block runs; each entry is the module's last call, ``[B, H', Q', K]``
+    float32 (float64 for a float64 model). Iteration follows the order the modules first ran.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Layers | None = None,
+        *,
+        heads: Heads = "mean",
+        rows: Rows = "all",
+        to: torch.device | str | None = None,
+    ) -> None:
+        _check(heads, rows)
+        self.model = model
+        self.heads = heads
+        self.rows = rows
+        self.to = None if to is None else torch.device(to)
+        modules = named_layers(model)
+        if layers is None:
+            names = [name for name, module in modules.items() if is_attention(name, module)]
+            if not names:
+                classes = sorted({type(m).__name__ for m in modules.values()})
+                raise LayerNotFoundError(
+                    f"found no attention module in {type(model).__name__}: layertap.attention looks for "
+                    "nn.MultiheadAttention and classes named *Attention*, and the model has "
+                    f"{', '.join(classes[:20])}{', ...' if len(classes) > 20 else ''}. Pass layers= with the "
+                    "modules whose forward calls scaled_dot_product_attention or softmax"
+                )
+        else:
+            names = list(dict.fromkeys(owner(name) for name in select(model, layers)))
+        self.sites: dict[str, nn.Module] = {name: modules[name] for name in names}
+        self._maps: dict[str, torch.Tensor] = {}
+        self._sdpa: set[str] = set()  # sites read from scaled_dot_product_attention: their softmax is not attention
+        self._softmax_last_dim: dict[str, bool] = {}
+        self._signatures: dict[str, inspect.Signature] = {}
+        self._tap: Tap | None = None
+
+    # -------------------------------------------------------------- the mapping
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._maps[name]
+        except KeyError:
+            pass
+        if name in self.sites:
+            found = ", ".join(list(self._maps)[:5]) or "none"
+            raise LayerNotRunError(
+                f"no attention recorded for {name!r} ({type(self.sites[name]).__name__}): it did not run inside "
+                "the with block, or its forward calls neither scaled_dot_product_attention nor softmax over "
+                f"the keys (a custom kernel, or attention in a child module). Recorded: {found}"
+            )
+        raise LayerNotFoundError(
+            f"{name!r} is not an attention module of this collector; its modules are "
+            f"{', '.join(list(self.sites)[:8])}{', ...' if len(self.sites) > 8 else ''}"
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._maps)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def __repr__(self) -> str:
+        return f"<layertap.attention heads={self.heads!r} rows={self.rows!r} of {list(self._maps)}>"
+
+    def clear(self) -> None:
+        """Forget what was recorded (the collector keeps collecting)."""
+        self._maps.clear()
+        self._sdpa.clear()
+
+    # -------------------------------------------------------------- collecting
+    def __enter__(self) -> Attention:
+        mha = {name for name, m in self.sites.items() if isinstance(m, nn.MultiheadAttention)}
+        ops = {name for name in self.sites if name not in mha}
+        specs = _specs(mha, [None]) + _specs(ops, [_SDPA, "softmax"])
+        self._tap = tap(self.model, specs, capture=("input", "output"), observe=self._observe)
+        self._tap.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Stop collecting (the ``with`` block does it); what was recorded stays readable."""
+        if self._tap is not None:
+            self._tap.remove()
+            self._tap = None
+
+    def _observe(self, name: str, kind: str, call: int, value: Any) -> None:
+        try:
+            self._read(name, kind, value)
+        except Exception as e:  # name the module: the traceback would point into the model's forward
+            op = split_op(name)
+            module, what = (name, "inputs") if op is None else (op.module, f"{op.op} {kind}")
+            raise TapError(
+                f"layertap.attention could not recompute the attention of {module!r} "
+                f"({type(self.sites[module]).__name__}) from its {what}: "
+                f"{type(e).__name__}: {e}. Leave it out with layers=, or report the model"
+            ) from e
+
+    def _read(self, name: str, kind: str, value: Any) -> None:
+        op = split_op(name)
+        with torch.no_grad():
+            if op is None:
+                if kind == "input":
+                    self._put(name, self._from_mha(name, value))
+            elif op.op == _SDPA:
+                if kind == "input":
+                    self._sdpa.add(op.module)
+                    self._put(op.module, self._from_sdpa(value))
+            elif kind == "input":  # softmax: attention only over the last dim
+                a = _arguments(value, ("input", "dim"))
+                x = a.get("input")
+                dim = a.get("dim")
+                last = isinstance(x, torch.Tensor) and x.dim() >= 2 and dim in (-1, x.dim() - 1)
+                self._softmax_last_dim[op.module] = last
+            elif self._softmax_last_dim.pop(op.module, False) and op.module not in self._sdpa:
+                weights = _four_d(value)
+                kept = reduce_weights(weights, self.heads, self.rows).to(_dtype(weights))
+                self._put(op.module, kept.clone() if shares_memory(kept, weights) else kept)
+
+    def _put(self, name: str, weights: torch.Tensor) -> None:
+        if self.to is not None:
+            weights = weights.to(self.to)
+        self._maps[name] = weights
+
+    def _from_sdpa(self, value: Any) -> torch.Tensor:
+        a = _arguments(value, _SDPA_ARGS)
+        causal, gqa = bool(a.get("is_causal", False)), bool(a.get("enable_gqa", False))
+        weights = _sdpa(a["query"], a["key"], a.get("attn_mask"), causal, a.get("scale"), gqa, _ROWS[self.rows])
+        return reduce_weights(_four_d(weights), self.heads)
+
+    def _from_mha(self, name: str, value: Any) -> torch.Tensor:
+        module = self.sites[name]
+        assert isinstance(module, nn.MultiheadAttention)
+        signature = self._signatures.get(name)
+        if signature is None:
+            signature = self._signatures[name] = inspect.signature(type(module).forward)
+        a = _arguments(value, signature)
+        causal = bool(a.get("is_causal", False))
+        weights = _mha(module, a["query"], a["key"], a.get("key_padding_mask"), a.get("attn_mask"), causal, _ROWS[self.rows])
+        return reduce_weights(_four_d(weights), self.heads)
+
+
+def attention(
+    model: nn.Module,
+    layers: Layers | None = None,
+    *,
+    heads: Heads = "mean",
+    rows: Rows = "all",
+    to: torch.device | str | None = None,
+) -> Attention:
+    """Collect the attention probabilities of ``model``'s attention modules while a ``with`` block runs.
+
+    Args:
+        layers: the attention modules (any `layertap.select` spec). ``None`` takes every
+            ``nn.MultiheadAttention`` and every module whose class name contains ``"Attention"``;
+            those whose own forward calls neither ``scaled_dot_product_attention`` nor ``softmax``
+            (a wrapper such as ``BertAttention``) record nothing.
+        heads: ``"all"`` keeps ``[B, H, Q, K]``; ``"mean"`` or ``"max"`` fuse the heads to one.
+        rows: ``"all"`` queries, ``"cls"`` query 0 only or ``"last"`` the last query only (the
+            last *position*: with right padding it is a pad token for the shorter sequences).
+        to: the device results are moved to (default: where the model computes).
+
+    How each module is read: an ``nn.MultiheadAttention`` from its inputs (`mha_weights`); any
+    other from the arguments of its ``scaled_dot_product_attention`` call (`sdpa_weights`) or,
+    if it calls none, from the output of its ``softmax`` over the last dim (eager attention).
+    A module called several times keeps its last call. The model runs, and computes, as without
+    the collector (``nn.TransformerEncoderLayer`` skips its fused fast path while its attention is
+    hooked, as under any tap: the same numbers to rounding). Limits: attention computed by other
+    kernels (flash-attn, xformers, flex attention) is not seen; Hugging Face's one-token decoding
+    step with grouped heads packs the heads into the query dim.
+
+    >>> import torch, timm, layertap.attention
+    >>> model = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=2).eval()
+    >>> with torch.no_grad(), layertap.attention.attention(model, heads="all", rows="cls") as att:
+    ...     logits = model(torch.randn(2, 3, 32, 32))
+    >>> {name: tuple(a.shape) for name, a in att.items()}
+    {'blocks.0.attn': (2, 3, 1, 5), 'blocks.1.attn': (2, 3, 1, 5)}
+    """
+    return Attention(model, layers, heads=heads, rows=rows, to=to)
