@@ -135,3 +135,29 @@ def test_errors():
         AttentionRollout(torchvision.models.resnet18())(torch.randn(1, 3, 32, 32))
     with pytest.raises(ArgumentError, match="inputs must be one tensor"):
         AttentionRollout(torch.nn.Identity())([torch.randn(1, 3, 8, 8)])  # type: ignore[arg-type]
+
+
+def tiny_vit() -> torch.nn.Module:
+    """A small torchvision ViT for the command line test (loaded as ``test_rollout:tiny_vit``)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.VisionTransformer(32, 8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=5)
+
+
+def test_layertap_cam_method_rollout_writes_the_same_maps(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from layertap.cli import run
+
+    Image.fromarray((np.random.default_rng(0).random((32, 32, 3)) * 255).astype("uint8")).save(tmp_path / "a.png")
+    argv = ["cam", "test_rollout:tiny_vit", str(tmp_path / "a.png"), "--method", "rollout", "--size", "32,32", "--out", str(tmp_path / "h")]
+    assert run(argv) == 0
+    saved = torch.from_numpy(np.load(tmp_path / "h" / "a.npy"))
+    model = tiny_vit().eval()
+    from layertap.images import load_image
+    from layertap.loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform
+
+    x = ImageTransform((3, 32, 32), IMAGENET_MEAN, IMAGENET_STD, crop=True)(load_image(tmp_path / "a.png"))[None]
+    torch.testing.assert_close(saved, AttentionRollout(model)(x)[0], rtol=0, atol=1e-6)

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from .attention import attention
-from .cam import Layout, Targets, infer_layout, normalize, upsample
-from .errors import ArgumentError, LayerNotRunError, LayoutError
+from .cam import Layout, Targets, infer_layout, normalize, pick_logits, upsample
+from .errors import ArgumentError, LayerNotRunError, LayertapError, LayoutError
 from .failures import explain_failures
 from .features import run_model
 from .select import Layers
@@ -108,7 +108,8 @@ class AttentionRollout:
     ``targets`` is accepted for the Grad-CAM convention and ignored: rollout does not depend on
     the class. The map is the rollout's class-token row (query 0) over the patch tokens; a model
     without prefix tokens uses the mean of all rows. After a call, `layers` names the modules
-    used, `layout` the token layout and `rollout` holds ``[B, N, N]``.
+    used, `layout` the token layout and `rollout` holds ``[B, N, N]``; `logits` holds the
+    model's scores when its output has them (else ``None``) and `target_classes` is ``None``.
     """
 
     def __init__(
@@ -131,6 +132,8 @@ class AttentionRollout:
         self.layers: list[str] | None = None
         self.layout: Layout | None = None
         self.rollout: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.target_classes: list[int] | None = None
 
     def __repr__(self) -> str:
         layers = "chosen at the first call" if self.layers is None else self.layers
@@ -145,7 +148,11 @@ class AttentionRollout:
         size = tuple(inputs.shape[2:])
         with explain_failures(self.model), torch.no_grad():
             with attention(self.model, self._spec, heads="all") as att:
-                run_model(self.model, inputs)
+                output = run_model(self.model, inputs)
+        try:
+            self.logits = pick_logits(output).detach()
+        except LayertapError:  # a backbone without scores: the heatmap does not need them
+            self.logits = None
         maps = {name: a for name, a in att.items() if a.size(-1) == a.size(-2)}
         if not maps:
             raise LayerNotRunError(

@@ -13,14 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cam import METHODS
 from ..errors import LayertapError, require
 from ..features import place_model
 from ..images import find_images, load_image
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
 from .core import app, typer
-from .options import arch_option, check_method, model_argument, parse_shape, trust_option
+from .options import HEATMAPS, arch_option, check_method, model_argument, parse_shape, trust_option
 
 
 def _floats(text: str | None, option: str) -> tuple[float, ...] | None:
@@ -115,7 +114,7 @@ def cam(
         help="Layer(s) to explain (names, globs, 're:REGEX'); repeatable, maps averaged. Default: the last "
         "layer with a map that the gradient reaches.",
     ),
-    method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"One of: {', '.join(METHODS)}."),
+    method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"One of: {', '.join(HEATMAPS)} (attention rollout, for vision transformers)."),
     target: str | None = typer.Option(
         None, "--target", help="Class to explain (index or name) for every image. Default: each image's top class."
     ),
@@ -166,7 +165,7 @@ def cam(
     if out.exists() and not out.is_dir():
         raise typer.BadParameter(f"{out} is a file, not a folder", param_hint="'--out'")
     names = safe_names(ids)
-    explainer = METHODS[method](net, layer or None)
+    explainer = HEATMAPS[method](net, layer or None)
     lines: list[str] = []
     out.parent.mkdir(parents=True, exist_ok=True)
     # files are written beside --out and moved in at the end, so a failure leaves nothing behind

@@ -7,7 +7,11 @@ from typing import Any
 from ..cam import METHODS
 from ..errors import ModelLoadError
 from ..loading import spec_kind
+from ..rollout import AttentionRollout
 from .core import typer
+
+# the Grad-CAM family and attention rollout: every one is built as HEATMAPS[name](model, layers)
+HEATMAPS: dict[str, Any] = {**METHODS, "rollout": AttentionRollout}
 
 SPEC_HELP = (
     "Model spec: torchvision:NAME[:WEIGHTS], timm:NAME[:pretrained], hf:PATH_OR_NAME, PATH.pt (a state dict, "
@@ -27,9 +31,9 @@ def check_spec(spec: str | None) -> str | None:
 
 
 def check_method(name: str) -> str:
-    """A heatmap method of `layertap.cam.METHODS` (in any case), else a usage error."""
-    if name.lower() not in METHODS:
-        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    """A heatmap method of `HEATMAPS` (in any case), else a usage error."""
+    if name.lower() not in HEATMAPS:
+        raise typer.BadParameter(f"unknown method {name!r}; choose from {', '.join(HEATMAPS)}")
     return name.lower()
 
 
