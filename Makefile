@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.layertap-installed
 
-.PHONY: demo test examples bench setup numerics lint wheel
+.PHONY: demo test examples bench setup numerics lint wheel docs
 
 setup: $(STAMP)
 
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pinned torch first: these builds lie on the machine's disk; pip takes them from there
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[all,test]'
+	$(BIN)/pip install -q -e '.[all,test,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,7 +32,7 @@ numerics: $(STAMP)
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NUMERIC_TESTS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff check src tests benchmarks examples scripts docs/hooks
 	$(BIN)/mypy src/layertap
 
 # build the wheel, install it with [all] in a fresh venv (no source tree on the path), run the demo
@@ -44,6 +44,11 @@ wheel: $(STAMP)
 	$(WHEEL_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(WHEEL_VENV)/bin/pip install -q "$$(ls dist/layertap-*.whl)[all]"
 	cd /tmp && $(WHEEL_VENV)/bin/layertap --version && $(WHEEL_VENV)/bin/layertap demo --out $(WHEEL_VENV)/demo
+
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or anchor, or a
+# docstring mkdocstrings cannot read, fails. tests/test_docs.py runs every tutorial's code
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

@@ -156,3 +156,18 @@ def test_torchscript_is_refused_in_one_line_naming_what_to_load(capsys, tmp_path
     err = capsys.readouterr().err
     assert err.startswith(f"layertap: error: {path} is a TorchScript archive, which layertap cannot tap") and err.count("\n") == 1
     assert "--arch SPEC" in err and "package.module:factory" in err
+
+
+def test_ops_lists_the_rows_of_summary_with_ops(capsys):
+    args = ["inspect", "torchvision:resnet18", "--input-shape", "2,3,32,32", "--ops"]
+    assert run([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layers"]
+    reference = summary(torchvision.models.resnet18(), torch.randn(2, 3, 32, 32), ops=True)
+    assert [(r["name"], r["type"], r["output"]) for r in rows] == [
+        (r["name"], r["type"], r["output"]) for r in reference.to_dicts()
+    ]
+    names = [r["name"] for r in rows]  # each op after its module's row, where it ran among the children
+    assert names[names.index("layer1.0:add_") - 2 :][:3] == ["layer1.0.bn2", "layer1.0.bn2:batch_norm", "layer1.0:add_"]
+    assert run([*args, "--layers", "layer1.0", "--layers", "fc"]) == 0  # text: the modules listed, then their ops
+    lines = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:] if line.strip()][:4]
+    assert lines == [["layer1.0", "BasicBlock"], ["layer1.0:add_", "op"], ["fc", "Linear"], ["fc:linear", "op"]]

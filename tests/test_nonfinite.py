@@ -156,3 +156,51 @@ def test_context_manager_around_training_steps():
     with layertap.find_nonfinite(sick) as check:
         _step(sick, x, y)
     assert (check.report.phase, check.report.layer) == ("backward", "1")
+
+
+class Shifted(nn.Module):
+    """A NaN made by an op inside a module's own forward (the log of a negative value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(torch.log(x - 5))
+
+
+class WithBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.block = Shifted()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)))
+
+
+@pytest.mark.parametrize(("spec", "named"), [("block:*", "block:log#1"), ("block:log", "block:log")])
+def test_an_op_inside_a_forward_is_named_before_its_module(spec, named):
+    torch.manual_seed(6)
+    model = WithBlock()
+    x = torch.randn(8, 4)
+    # without the ops, the first non-finite output is the module the log's NaN flows into
+    assert layertap.find_nonfinite(model, x).layer == "block.fc"
+    report = layertap.find_nonfinite(model, x, layers=[nn.Module, spec])
+    assert (report.phase, report.layer, report.module_type, report.call) == ("forward", named, "Shifted", 0)
+    shifted = model.stem(x).detach() - 5
+    assert report.value.nan_fraction == pytest.approx(shifted.lt(0).float().mean().item()) and shifted.lt(0).any()
+    [given] = report.inputs  # the log's tensor argument: finite
+    assert given.nonfinite_fraction == 0 and given.max == pytest.approx(shifted.max().item())
+    # "block:*" lists "block:sub#1" (x - 5) first: finite, just before the log
+    assert report.previous.layer == ("block:sub#1" if spec == "block:*" else "stem")
+
+
+def test_an_op_gradient_is_located_in_the_backward():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Sqrt(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    report = layertap.find_nonfinite(model, x, loss_fn=lambda out: out.sum(), layers=["0", "1", "2:*", "3"])
+    # the sqrt op's gradient is finite; what flows back into the ReLU's output is not
+    assert (report.phase, report.layer) == ("backward", "1") and report.previous.layer == "2:sqrt#1"

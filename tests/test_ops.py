@@ -143,6 +143,17 @@ def test_op_gradients_equal_autograd_through_in_place_ops():
     torch.testing.assert_close(taps.grad_inputs[":add_"].args[1], s.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_the_input_of_an_op_on_one_tensor_is_that_tensor():
+    model = torchvision.models.densenet121().eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), layertap.tap(model, [":relu", "features"], capture=("input", "output")) as taps:
+        model(x)
+    # F.relu(features, inplace=True): one tensor (and an option), captured before it changed
+    assert isinstance(taps.inputs[":relu"], torch.Tensor)
+    assert torch.equal(taps.inputs[":relu"], taps["features"])
+    assert (taps.inputs[":relu"] < 0).any() and torch.equal(taps[":relu"], taps["features"].relu())
+
+
 def test_in_place_op_keeps_its_value_across_forwards_on_resnet():
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
@@ -221,6 +232,10 @@ def test_ops_of_children_are_not_the_parents():
         model(torch.randn(1, 3, 32, 32))
     # layer1 is a Sequential: its own forward calls only its children, no torch function
     assert taps.names == ["layer1.0:add_#1"]
+    # nor are the torch calls of the tap's own hooks on a child (its copies) the parent's
+    with torch.no_grad(), layertap.tap(model, ["layer1.0:*", "layer1.0.conv1", "layer1.0.bn1"], capture=("input", "output")) as taps:
+        model(torch.randn(1, 3, 32, 32))
+    assert taps.names == ["layer1.0.conv1", "layer1.0.bn1", "layer1.0:add_#1"]
 
 
 def test_mode_and_wrappers_are_removed_even_when_the_forward_fails():
@@ -239,7 +254,33 @@ def test_modules_without_op_taps_are_left_alone():
     model = torchvision.models.resnet18().eval()
     with layertap.tap(model, ["layer2", "layer1.0:add_"]):
         wrapped = {name for name, m in model.named_modules() if "forward" in m.__dict__}
-    assert wrapped == {"layer1.0", "layer1.0.conv1", "layer1.0.bn1", "layer1.0.relu", "layer1.0.conv2", "layer1.0.bn2"}
+    assert wrapped == {"layer1.0"}
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class Summed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.proj(x) * 10).sum(-1)
+
+
+def test_a_childs_own_hooks_do_not_make_ops_of_its_parent():
+    torch.manual_seed(0)
+    model = nn.Sequential(Summed())
+    sums = []
+    hook = model[0].proj.register_forward_hook(lambda m, a, out: sums.append(out.sum()))  # a user's torch call
+    x = torch.randn(2, 4)
+    try:
+        with torch.no_grad(), layertap.tap(model, ["0:sum#1", "0:*"]) as taps:
+            model(x)
+    finally:
+        hook.remove()
+    assert taps.names == ["0:sum#1", "0:mul#1"]  # the hook's sum is not the block's
+    with torch.no_grad():
+        assert torch.equal(taps["0:sum#1"], (model[0].proj(x) * 10).sum(-1))
 
 
 def test_op_taps_under_inference_mode_and_compile():

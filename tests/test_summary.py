@@ -319,3 +319,112 @@ def test_a_failure_with_a_packed_input_names_the_layer():
     with pytest.raises(layertap.LayerForwardError, match=r"layer 'lstm' \(LSTM\).*\[11, 3\]") as info:
         summary(Reader(features=5), seq)  # the LSTM expects 5 features, gets 3
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# ---------------------------------------------------------------------------- ops=True
+def plain_hook_values(model, x, names, kind="output"):
+    """Independent reference: a clone of each named module's output (or first input) as it returns."""
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen[name] = (out if kind == "output" else args[0]).clone()
+
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_hook(keep(name)) for name in names]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # small inputs gain nothing from a second thread, which waits on the first at every op
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def resnet_references(model, x):
+    plain = plain_hook_values(model, x, ["layer1.0.bn2", "fc"], "output")
+    [fc_input] = plain_hook_values(model, x, ["fc"], "input").values()
+    with torch.no_grad():  # layer1.0's residual sum, by hand from its children
+        h = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+        block = model.layer1[0]
+        add = block.bn2(block.conv2(block.relu(block.bn1(block.conv1(h))))) + h
+    return {"layer1.0:add_": add, "layer1.0.bn2:batch_norm": plain["layer1.0.bn2"], ":flatten": fc_input, "fc:linear": plain["fc"]}
+
+
+def densenet_references(model, x):
+    names = ["features.pool0", "features.denseblock1", "features"]
+    plain = plain_hook_values(model, x, names)
+    [classifier_input] = plain_hook_values(model, x, ["classifier"], "input").values()
+    return {
+        "features.denseblock1.denselayer1:cat": plain["features.pool0"],  # the cat of its one input
+        "features.denseblock1:cat": plain["features.denseblock1"],  # the block returns its cat
+        ":relu": torch.relu(plain["features"]),  # F.relu(features, inplace=True) in DenseNet.forward
+        ":flatten": classifier_input,
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "size", "references"),
+    [(torchvision.models.resnet18, 64, resnet_references), (torchvision.models.densenet121, 32, densenet_references)],
+    ids=["resnet18", "densenet121"],
+)
+def test_ops_rows_are_names_the_tap_takes_with_their_values(one_thread, build, size, references):
+    torch.manual_seed(0)
+    model = build().eval()
+    x = torch.randn(2, 3, size, size)
+    table = summary(model, x, ops=True)
+    ops = [row for row in table if row.type == "op"]
+    assert len(ops) > len(table) // 3 and all(row.params_total == 0 for row in ops)
+    for row in ops:  # after its module's row, one level deeper
+        module = row.name.rpartition(":")[0]
+        assert table.names.index(module) < table.names.index(row.name) and row.depth == table[module].depth + 1
+    # every name is one the tap takes, and it gives what the row describes, call for call
+    with torch.no_grad(), layertap.tap(model, table.names, keep="all") as taps:
+        model(x)
+    for row in table:
+        values = taps.outputs[row.name]
+        assert len(values) == row.calls and list(values[-1].shape) == list(row.output), row.name
+        assert row.bytes == values[-1].numel() * values[-1].element_size()
+    expected = references(model, x)
+    assert set(expected) <= set(table.names)
+    for name, reference in expected.items():
+        assert torch.equal(taps.outputs[name][-1], reference), name
+
+
+class Twice(nn.Module):
+    """One op called twice per forward, one once."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(torch.relu(x)) + 1)
+
+
+def test_ops_called_several_times_get_a_name_per_call():
+    model, x = Twice(), torch.randn(3, 4)
+    table = summary(model, x, ops=True)
+    assert table.names == ["", ":relu#1", "fc", "fc:linear", ":add", ":relu#2"]
+    with torch.no_grad(), layertap.tap(model, [":relu#1", ":add", ":relu#2"]) as taps:
+        model(x)
+    h = model.fc(torch.relu(x)).detach()
+    assert torch.equal(taps[":relu#1"], torch.relu(x)) and torch.equal(taps[":add"], h + 1)
+    assert torch.equal(taps[":relu#2"], torch.relu(h + 1))
+
+
+def test_ops_of_the_modules_listed_and_depth(resnet18):
+    x = torch.randn(1, 3, 32, 32)
+    assert summary(resnet18, x, layers=["layer1.0", "fc"], ops=True).names == ["layer1.0", "layer1.0:add_", "fc", "fc:linear"]
+    assert summary(resnet18, x, depth=0, ops=True).names == ["", ":flatten"]
+    assert [r.name for r in summary(resnet18, x, depth=1, ops=True) if r.type == "op"] == [
+        "conv1:conv2d", "bn1:batch_norm", "relu:relu", "maxpool:max_pool2d", "avgpool:adaptive_avg_pool2d", ":flatten", "fc:linear",
+    ]  # fmt: skip

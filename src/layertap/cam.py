@@ -26,6 +26,7 @@ How it works, and the conventions it shares with pytorch-grad-cam (maps agree to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -486,12 +487,14 @@ class CAM:
     def _probe(self, inputs: torch.Tensor, targets: Targets) -> list[_Seen]:
         """Every module the forward ran, in the order its (last) call finished, as `_Seen`.
 
-        One forward and backward on ``inputs`` with every module hooked (the hooks go when it
-        ends). A forward hook notes the layout of the module's first floating-point output and
-        hands on a copy of each floating-point output: the copy's own gradient hook then sees only
-        the uses after the module returned (not a pooled output the module computed from it, as
-        in `_run`), and the copy, found again in a later module's arguments by a pre-hook, tells
-        who reads it.
+        One forward and backward on ``inputs`` under a `layertap.tap` on every module. Its
+        ``edit=`` hands on a copy of each floating-point output: the copy's own gradient hook
+        then sees only the uses after the module returned (not a pooled output the module
+        computed from it, as in `_run`), and the copy, found again in a later module's inputs by
+        ``observe=``, tells who reads it. ``observe=`` also notes, at each module's return, the
+        layout of its first floating-point output. (Its gradients are watched on the copies, not
+        through ``observe=``: the probe needs to know which tensor of a call each gradient is for,
+        and must not give a gradient to an output that had none.)
         """
         size = tuple(inputs.shape[2:])
         outs: dict[str, tuple[Layout | None, int]] = {}  # in the order modules finish
@@ -506,12 +509,6 @@ class CAM:
         def producers(value: Any) -> list[str]:
             return [maker[id(t)] for t in nested.tensors(value) if made.get(id(t)) is t]
 
-        def reader(name: str) -> Callable:
-            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                reads[name] = frozenset(producers((args, kwargs)))
-
-            return hook
-
         def watch(name: str, call: int, first: bool) -> Callable:
             def hook(grad: torch.Tensor) -> None:
                 if calls[name] == call:  # the module's last call, as `outs` has it
@@ -521,45 +518,46 @@ class CAM:
 
             return hook
 
-        def note(name: str) -> Callable:
-            def hook(module: nn.Module, args: tuple, out: Any) -> Any:
-                floats = [t for t in nested.tensors(out) if t.is_floating_point()]
-                layout = self._map_layout(floats[0].shape, size) if floats else None
-                outs.pop(name, None)  # a module called again finishes again
-                outs[name] = (layout, 0 if layout is None else floats[0].shape[1 if layout.kind == "channels_first" else -1])
-                calls[name] = call = calls.get(name, 0) + 1
-                source = producers(floats[:1])
-                passes.pop(name, None)
-                if source and source[0] != name and not source[0].startswith(name + "."):  # (a container returns its child's)
-                    passes[name] = source[0]  # it returned its input unchanged
+        def hand_on(name: str, out: Any) -> Any:
+            floats = [t for t in nested.tensors(out) if t.is_floating_point()]
+            calls[name] = call = calls.get(name, 0) + 1
+            source = producers(floats[:1])
+            passes.pop(name, None)
+            if source and source[0] != name and not source[0].startswith(name + "."):  # (a container returns its child's)
+                passes[name] = source[0]  # it returned its input unchanged
 
-                def copy(t: torch.Tensor) -> torch.Tensor:
-                    if not (t.is_floating_point() and t.requires_grad):
-                        return t
-                    new = t.clone()
-                    made[id(new)], maker[id(new)] = new, name
-                    new.register_hook(watch(name, call, t is floats[0]))
-                    return new
+            def copy(t: torch.Tensor) -> torch.Tensor:
+                if not (t.is_floating_point() and t.requires_grad):
+                    return t
+                new = t.clone()
+                made[id(new)], maker[id(new)] = new, name
+                new.register_hook(watch(name, call, t is floats[0]))
+                return new
 
-                return nested.map_leaves(copy, out)
+            return nested.map_leaves(copy, out)
 
-            return hook
+        def observe(name: str, kind: str, call: int, value: Any) -> None:
+            if kind == "input":
+                reads[name] = frozenset(producers(value))
+                return
+            floats = [t for t in nested.tensors(value) if t.is_floating_point()]
+            layout = self._map_layout(floats[0].shape, size) if floats else None
+            outs.pop(name, None)  # a module called again finishes again
+            outs[name] = (layout, 0 if layout is None else floats[0].shape[1 if layout.kind == "channels_first" else -1])
 
         x = inputs.detach().requires_grad_(inputs.is_floating_point())
-        handles = []
-        try:
-            for name, module in named_layers(self.model).items():
-                if name:
-                    handles.append(module.register_forward_pre_hook(reader(name), with_kwargs=True))
-                    handles.append(module.register_forward_hook(note(name)))
-            with explain_failures(self.model), torch.enable_grad():
-                output = run_model(self.model, x)
-                scores, _ = self._scores(output, targets)
-                if scores.requires_grad:
-                    torch.autograd.grad(scores.sum(), x, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
+        modules = [name for name in named_layers(self.model) if name]
+        # detach=False: observe sees the very tensors the modules were given, copies included
+        probe = (
+            tap(self.model, modules, capture=("input", "output"), detach=False, edit=hand_on, observe=observe)
+            if modules
+            else contextlib.nullcontext()
+        )
+        with explain_failures(self.model), torch.enable_grad(), probe:
+            output = run_model(self.model, x)
+            scores, _ = self._scores(output, targets)
+            if scores.requires_grad:
+                torch.autograd.grad(scores.sum(), x, allow_unused=True)
         return [
             _Seen(
                 name,

@@ -10,25 +10,29 @@
 ('forward', '1', 'Log')
 
 Every module is tapped (the model itself too, for what its own ``forward`` computes between
-submodules); each tensor is checked inside the hook and only a small summary is kept, never the
-activations. A module's hook runs when it returns, so of nested modules the innermost one that
-made the value comes first. Gradients are watched with tensor hooks on the layers' outputs
-(no module backward hooks, which break on in-place ops).
+submodules); the tap hands each tensor to an observer (``observe=``), which checks it inside the
+hook and keeps only a small summary, never the activations. A module's hook runs when it
+returns, so of nested modules the innermost one that made the value comes first. Ops inside a
+module's ``forward`` can be checked too (``layers=[nn.Module, "block:*"]``, see
+`layertap.select`): an op returns before its module does, so the op that made a NaN is named
+(``"block:log#1"``) before the module that returned it. Gradients are watched with tensor hooks
+on the layers' outputs (no module backward hooks, which break on in-place ops).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Literal, overload
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 from torch import nn
 
+from . import nested
 from .failures import explain_failures
 from .features import run_model
-from .select import Layers, named_layers, select
-from .stats import Call, LayerStats, Recorder, Summary
+from .select import Layers, named_layers, owner, select
+from .stats import LayerStats, Summary, summarize
 from .tap import Kind, Tap, tap
 
 Phase = Literal["forward", "backward"]
@@ -41,8 +45,9 @@ class Report:
     Attributes:
         phase: ``"forward"`` (a layer's output) or ``"backward"`` (the gradient of the loss with
             respect to a layer's output).
-        layer, module_type, call: the layer (``""`` is the model itself), its class, and which of
-            its calls (0 = first) since the check started.
+        layer, module_type, call: the layer (``""`` is the model itself) or op, the class of the
+            module (for an op, of the module whose forward called it), and which of its calls
+            (0 = first) since the check started.
         value: statistics of the non-finite tensor: the output, or the gradient.
         inputs: statistics of the layer's floating-point inputs in that call of the forward.
         previous: the layer that came just before in the same order, with its output (forward)
@@ -69,7 +74,7 @@ class Report:
         if self.phase == "forward" and any(s.nonfinite_fraction for s in self.inputs):
             lines.append(
                 "  its input was already non-finite: the value was made outside any module (a functional op "
-                "in the parent's forward, or the model's input)"
+                "in the parent's forward, or the model's input); check the parent's ops too: layers=[..., 'PARENT:*']"
             )
         if self.previous is not None:
             kind = "output" if self.phase == "forward" else "gradient"
@@ -96,6 +101,14 @@ def _nonfinite(summary: Summary) -> bool:
     return summary.nan + summary.inf > 0
 
 
+class _Call(NamedTuple):
+    """One call of a checked layer, with the summaries of its floating-point tensors."""
+
+    layer: str
+    call: int
+    summaries: list[Summary]
+
+
 class NonfiniteCheck:
     """Watches every forward (and backward) inside a ``with`` block; ``report`` is set on exit.
 
@@ -110,15 +123,18 @@ class NonfiniteCheck:
         self.names = select(model, layers) if layers is not None else list(named_layers(model))
         self.grads = grads
         self.report: Report | None = None
-        self._types = {name: type(m).__name__ for name, m in named_layers(model).items()}
-        self._recorder = Recorder()
+        self._modules = named_layers(model)
+        # the tap's observer fills these, each in the order its values came
+        self._outputs: list[_Call] = []
+        self._inputs: dict[tuple[str, int], list[Summary]] = {}
+        self._grads: dict[tuple[str, int], _Call] = {}
         self._tap: Tap | None = None
 
     def __enter__(self) -> NonfiniteCheck:
         grads = torch.is_grad_enabled() if self.grads is None else self.grads
         capture: tuple[Kind, ...] = ("output", "input", "grad") if grads else ("output", "input")
         self.report = None
-        self._tap = tap(self.model, self.names, capture=capture, keep="all", reduce=self._recorder)
+        self._tap = tap(self.model, self.names, capture=capture, observe=self._observe)
         self._tap.__enter__()
         return self
 
@@ -127,41 +143,46 @@ class NonfiniteCheck:
         assert taps is not None  # set by __enter__, which a with block runs first
         taps.remove()
         try:
-            self.report = self._find(taps)
+            self.report = self._find()
         finally:
-            self._recorder.clear()
+            self._outputs, self._inputs, self._grads = [], {}, {}
 
-    def _find(self, taps: Tap) -> Report | None:
-        phases: list[tuple[Phase, Mapping[str, Any]]] = [("forward", taps.outputs)]
-        if "grad" in taps.capture:
-            phases.append(("backward", taps.grads))
-        for phase, view in phases:
-            calls = self._recorder.calls(view)
+    def _observe(self, layer: str, kind: str, call: int, value: Any) -> None:
+        summaries = [s for t in nested.tensors(value) if t.is_floating_point() and (s := summarize(t)) is not None]
+        if not summaries:  # an integer output (token ids, indices): nothing to check
+            return
+        if kind == "output":
+            self._outputs.append(_Call(layer, call, summaries))
+        elif kind == "input":
+            self._inputs[layer, call] = summaries
+        else:  # a gradient comes tensor by tensor; the call takes its place with its first
+            self._grads.setdefault((layer, call), _Call(layer, call, [])).summaries.extend(summaries)
+
+    def _find(self) -> Report | None:
+        phases: list[tuple[Phase, list[_Call]]] = [("forward", self._outputs), ("backward", list(self._grads.values()))]
+        for phase, calls in phases:
             first = next((i for i, c in enumerate(calls) if any(map(_nonfinite, c.summaries))), None)
             if first is None:
                 continue
             bad = calls[first]
-            inputs = next(
-                (c for c in self._recorder.calls(taps.inputs) if (c.layer, c.call) == (bad.layer, bad.call)), None
-            )
+            inputs = self._inputs.get((bad.layer, bad.call), [])
             previous = calls[first - 1] if first else None
             return Report(
                 phase=phase,
                 layer=bad.layer,
-                module_type=self._types[bad.layer],
+                module_type=self._type(bad.layer),
                 call=bad.call,
-                value=self._stats(bad, next(filter(_nonfinite, bad.summaries))),
-                inputs=[self._stats(inputs, s, f" input {i}") for i, s in enumerate(inputs.summaries)]
-                if inputs
-                else [],
-                previous=self._stats(previous, previous.summaries[0]) if previous else None,
+                value=self._stats(bad.layer, bad.call, next(filter(_nonfinite, bad.summaries))),
+                inputs=[self._stats(bad.layer, bad.call, s, f" input {i}") for i, s in enumerate(inputs)],
+                previous=self._stats(previous.layer, previous.call, previous.summaries[0]) if previous else None,
             )
         return None
 
-    def _stats(self, call: Call, summary: Summary, suffix: str = "") -> LayerStats:
-        return LayerStats.from_summary(
-            summary, name=call.layer + suffix, layer=call.layer, call=call.call, module_type=self._types[call.layer]
-        )
+    def _type(self, layer: str) -> str:
+        return type(self._modules[owner(layer)]).__name__
+
+    def _stats(self, layer: str, call: int, summary: Summary, suffix: str = "") -> LayerStats:
+        return LayerStats.from_summary(summary, name=layer + suffix, layer=layer, call=call, module_type=self._type(layer))
 
 
 def _backward(model: nn.Module, loss: Any) -> None:

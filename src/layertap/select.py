@@ -273,32 +273,36 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
     if not specs:
         raise ValueError("no layers given: pass a name, a glob, a regex, a class or a predicate")
     names = _aliases(index)
-    chosen: set[str] = set()
-    ops: dict[str, list[str]] = {}  # module name -> ops chosen on it, in the order given
-    for spec in specs:
-        op_spec = _op_spec(spec)
-        if op_spec is not None:
-            module_spec, op = op_spec
-            for name in select(model, module_spec):
-                ops.setdefault(name, []).append(op)
-            continue
-        assert not isinstance(spec, tuple)  # pairs are op specs
+
+    def hits(spec: ModuleSpec) -> set[str]:
         if _is_name(spec):
             # an exact name, with or without wrapper segments; only a name selects the root ("")
-            hits = {names[spec]} if spec in names else set()
+            found = {names[spec]} if spec in names else set()
         else:
             match = _matcher(spec)
             # a pattern matches the canonical name or, for strings and regexes, the name as
             # named_modules() gives it
             raw_too = isinstance(spec, (str, re.Pattern))
-            hits = {
+            found = {
                 name
                 for name, (module, raw) in index.items()
                 if name and (match(name, module) or (raw_too and raw != name and match(raw, module)))
             }
-        if not hits:
+        if not found:
             raise not_found(spec, {name: layer.module for name, layer in index.items()})
-        chosen |= hits
+        return found
+
+    chosen: set[str] = set()
+    ops: dict[str, list[str]] = {}  # module name -> ops chosen on it, in the order given
+    for spec in specs:
+        op_spec = _op_spec(spec)
+        if op_spec is None:
+            assert not isinstance(spec, tuple)  # pairs are op specs
+            chosen |= hits(spec)
+            continue
+        module_spec, op = op_spec
+        for name in hits(module_spec):
+            ops.setdefault(name, []).append(op)
     out = []
     for name in index:
         if name in chosen:

@@ -12,7 +12,8 @@
 How the numbers are made:
 
 - Each tapped tensor is summarised inside the hook, as soon as the layer has run (before an
-  in-place op can change it), and only the summary is kept: memory does not grow with the data.
+  in-place op can change it), and only the summary is kept: the tap hands it over through
+  ``observe=`` and neither stores nor copies it, so memory does not grow with the data.
 - Moments are kept in float64, per channel: each tensor's mean and sum of squared deviations
   come from two float64 passes over it, and calls, batches and ``torchrun`` ranks are merged with
   the pairwise update of Chan, Golub and LeVeque (Welford's for two groups), in any order and
@@ -52,7 +53,7 @@ from .errors import LayerNotFoundError
 from .failures import explain_failures
 from .features import place_model, run_model
 from .loading import model_info
-from .select import Layers, named_layers, select
+from .select import Layers, named_layers, owner, select
 from .tap import tap
 
 
@@ -243,50 +244,14 @@ def summarize(t: torch.Tensor, bins: int = 0) -> Summary | None:
     )
 
 
-# ---------------------------------------------------------------------------- summaries in the tap
-class Call(NamedTuple):
-    """One call of a tapped layer: when it ran, and the summaries of its float tensors."""
-
-    seq: int  # position among all recorded tensors, i.e. hook order
-    layer: str
-    call: int  # which call of the layer since the tap's last clear()
-    summaries: list[Summary]
-
-
-class Recorder:
-    """A ``reduce=`` for `layertap.tap` that summarises each tensor inside the hook.
-
-    The tap stores only a marker per tensor (its sequence number, a 0-d float64 tensor), so
-    nothing large is kept; the summaries stay here, in the order the hooks ran, for `calls`
-    to pair back with layers. Call `clear` together with the tap's ``clear()``.
-    """
-
-    def __init__(self, bins: int = 0) -> None:
-        self.bins = bins
-        self.summaries: list[Summary | None] = []
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        self.summaries.append(summarize(t, self.bins))
-        return torch.tensor(len(self.summaries) - 1, dtype=torch.float64)
-
-    def clear(self) -> None:
-        self.summaries.clear()
-
-    def calls(self, view: Mapping[str, Any]) -> list[Call]:
-        """The calls recorded in ``view`` (a ``keep="all"`` tap's outputs, inputs or grads), in hook order.
-
-        Each call lists the summaries of its non-empty floating-point tensors; calls without
-        one (integer outputs) are left out.
-        """
-        found = []
-        for layer in view:
-            for call, value in enumerate(view[layer]):
-                # the tap's markers are its only floating-point leaves: others are reduced
-                seqs = [int(m) for m in nested.tensors(value) if m.is_floating_point()]
-                summaries = [m for m in (self.summaries[s] for s in seqs) if m is not None]
-                if summaries:
-                    found.append(Call(seqs[0], layer, call, summaries))
-        return sorted(found)
+def _first_summary(value: Any, bins: int = 0) -> Summary | None:
+    """The statistics of the first non-empty real floating-point tensor in ``value`` (a layer's
+    nested output), or ``None`` when it holds none."""
+    for t in nested.tensors(value):
+        summary = summarize(t, bins) if t.is_floating_point() else None
+        if summary is not None:
+            return summary
+    return None
 
 
 # ---------------------------------------------------------------------------- results
@@ -574,17 +539,20 @@ def stats(
         raise ValueError(f"histogram_bins={histogram_bins}: use 0 (no histogram) or 2 or more bins")
     names = select(model, layers) if layers is not None else leaf_layers(model)
     device = place_model(model, device)
-    recorder = Recorder(histogram_bins)
     summaries: dict[tuple[str, int], Summary] = {}
+
+    def observe(layer: str, kind: str, call: int, value: Any) -> None:
+        # summarised at once: the value is the network's own tensor, valid only during the hook
+        summary = _first_summary(value, histogram_bins)
+        if summary is not None:
+            _merge(summaries, (layer, call), summary)
+
     transform = transform or model_info(model).transform
     batches = iter_batches(data, batch_size=batch_size, transform=transform, num_workers=num_workers)
-    with explain_failures(model), torch.no_grad(), tap(model, names, keep="all", reduce=recorder) as taps:
+    with explain_failures(model), torch.no_grad(), tap(model, names, observe=observe) as taps:
         for batch in batches:
             run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
-            for recorded in recorder.calls(taps.outputs):
-                _merge(summaries, (recorded.layer, recorded.call), recorded.summaries[0])
-            taps.clear()
-            recorder.clear()
+            taps.clear()  # `call` restarts: a row is a call position within one forward
     summaries = _merge_ranks(summaries)
     repeated = {layer for layer, call in summaries if call > 0}
     modules = named_layers(model)
@@ -596,12 +564,13 @@ def stats(
             name=name,
             layer=layer,
             call=call,
-            module_type=type(modules[layer]).__name__,
+            module_type=type(modules[owner(layer)]).__name__,
             per_channel=per_channel,
         )
     seen = {layer for layer, _ in summaries}
-    return StatsTable(rows, missing=[n for n in names if n not in seen], explode_threshold=explode_threshold)
-
+    # "module:*" has no row of its own: its ops get rows under the names they ran as
+    missing = [n for n in names if n not in seen and not (n.endswith(":*") and any(s.startswith(n[:-1]) for s in seen))]
+    return StatsTable(rows, missing=missing, explode_threshold=explode_threshold)
 
 
 __all__ = [
@@ -611,7 +580,6 @@ __all__ = [
     "leaf_layers",
     "summarize",
     "Summary",
-    "Recorder",
     "Moments",
     "Histogram",
 ]

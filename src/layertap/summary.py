@@ -10,10 +10,15 @@ Layer    Type    Input           Output           Dtype    Calls  Params  Total 
 conv1    Conv2d  [1, 3, 64, 64]  [1, 64, 32, 32]  float32      1   9,408         9,408    262.1 KB
 ...
 
-The forward runs once, in eval mode, without autograd, under a `layertap.tap` that keeps only the
-shape and dtype of each value (tensors are moved to the ``meta`` device inside the hook), so a
-summary costs no more memory than the forward itself. Byte figures are those the same tap would
-store for real.
+The forward runs once, in eval mode, without autograd, under a `layertap.tap` whose observer
+(``observe=``) notes only the shape, dtype and bytes of each value inside the hook and keeps no
+tensor, so a summary costs no more memory than the forward itself. Byte figures are those a tap
+of the same layers would store. With ``ops=True`` the tap also lists the ops inside each
+module's own forward (``"MODULE:*"``), each under a name `layertap.tap` accepts:
+
+>>> table = layertap.summary(torchvision.models.resnet18(), torch.randn(1, 3, 64, 64), ops=True)
+>>> [(row.name, row.output) for row in table if row.name.endswith(":add_")][:2]
+[('layer1.0:add_', torch.Size([1, 64, 16, 16])), ('layer1.1:add_', torch.Size([1, 64, 16, 16]))]
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from . import nested
 from .failures import explain_failures
 from .features import place_model
 from .loading import model_info
-from .select import Layers, named_layers
-from .tap import Inputs, Tap, tap
+from .select import Layers, Spec, named_layers, owner, select, split_op
+from .tap import Inputs, tap
 from .units import human_bytes
 
 _COLUMNS = ("Layer", "Type", "Input", "Output", "Dtype", "Calls", "Params", "Total params", "Out/sample")
@@ -45,10 +50,11 @@ _CELL_WIDTH = 44  # the text table shortens longer shape cells; to_dicts() has t
 
 @dataclasses.dataclass
 class LayerRow:
-    """One module as the forward called it (the last call when it was called several times).
+    """One module (or op) as the forward called it (the last call when it was called several times).
 
     ``input`` and ``output`` hold the call's structure with every tensor replaced by its
-    ``torch.Size`` (non-tensor values left out); ``None`` when the module never ran.
+    ``torch.Size`` (non-tensor values left out); ``None`` when the module never ran. An op's
+    ``type`` is ``"op"``, its input its tensor arguments.
     """
 
     name: str
@@ -234,7 +240,9 @@ def _jsonable(structure: Any) -> Any:
 
 
 def _depth(name: str) -> int:
-    return name.count(".") + 1 if name else 0
+    """The dotted parts of a module's name; an op sits one level below its module."""
+    module = owner(name)
+    return (module.count(".") + 1 if module else 0) + (module != name)
 
 
 def _nbytes(value: Any) -> int:
@@ -264,10 +272,29 @@ def _batch_size(example: Any) -> int:
     return int(packed.batch_sizes[0]) if packed is not None else first.shape[0]
 
 
-def _start_order(taps: Tap) -> list[str]:
-    # the tap records a layer's input when its first call starts, so its input store is in
-    # execution order. TODO(core): expose this order publicly on Tap.
-    return list(taps._stores["input"].entries)
+def _every_op(modules: set[str]) -> list[Spec]:
+    """``"MODULE:*"`` for each of ``modules`` as one predicate spec (`select` walks the model for
+    each op spec's module: one spec per module would cost a walk each), and ``":*"`` for the
+    model's own ops, which no predicate matches."""
+    specs: list[Spec] = [":*"] if "" in modules else []
+    if modules - {""}:
+        specs.append((lambda name, _module: name in modules, "*"))
+    return specs
+
+
+def _op_names(ran: list[str]) -> dict[str, str]:
+    """The name each op a ``"MODULE:*"`` tap named ``"MODULE:OP#K"`` is shown under:
+    ``"MODULE:OP"`` when its module's forward calls it once (that spec taps the same call)."""
+    calls: dict[tuple[str, str], int] = {}
+    for name in ran:
+        op = split_op(name)
+        if op is not None and op.call is not None:
+            calls[op.module, op.op] = max(calls.get((op.module, op.op), 0), op.call)
+    return {
+        name: f"{op.module}:{op.op}" if calls[op.module, op.op] == 1 else name
+        for name in ran
+        if (op := split_op(name)) is not None and op.call is not None
+    }
 
 
 def summary(
@@ -275,6 +302,7 @@ def summary(
     *example_inputs: Any,
     layers: Layers | None = None,
     depth: int | None = None,
+    ops: bool = False,
     **example_kwargs: Any,
 ) -> LayerTable:
     """Run ``model(*example_inputs, **example_kwargs)`` once and describe each layer it called.
@@ -285,6 +313,11 @@ def summary(
     parameters, and bytes of the output per sample, which is what `layertap.tap` keeps for that
     layer (its last call). ``depth`` keeps names with at most that many dotted parts (0: the
     model itself). Without example inputs a random one comes from `layertap.model_info`.
+
+    ``ops=True`` adds a row for each op (torch function returning a tensor) inside the own
+    ``forward`` of each module listed, in the order they ran among its submodules, named as
+    `layertap.tap` takes them: ``"layer1.0:add_"`` for an op called once per forward of its
+    module, ``"MODULE:OP#K"`` for each call of one called several times (see `layertap.select`).
 
     A forward that fails raises `layertap.LayerForwardError` naming the layer, its class and
     input shapes, with the original exception chained.
@@ -304,34 +337,49 @@ def summary(
     if layers is None:  # the root is selected by its name only; nn.Module matches every other layer
         layers = ["", nn.Module] if len(all_layers) > 1 else ""
     batch = _batch_size((example_inputs, example_kwargs))
+    selected = select(model, layers)
+    specs: list[Spec] = list(selected)
+    if ops:  # every op of each module listed, named "MODULE:OP#K" as it runs
+        specs += _every_op({name for name in selected if split_op(name) is None})
 
-    tapped = tap(model, layers, capture=("input", "output"), keep="all", to="meta")
+    inputs: dict[str, Any] = {}  # name -> the structure of its last call's input
+    outputs: dict[str, tuple[Any, str, int]] = {}  # name -> its last output's structure, dtypes, bytes
+    calls: dict[str, int] = {}
+
+    def observe(name: str, kind: str, call: int, value: Any) -> None:
+        # only what a row shows; torch functions that return no tensor, so an op tap sees none
+        if kind == "input":
+            inputs[name] = _structure(value)
+            return
+        dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in nested.tensors(value)}))
+        outputs[name] = (_structure(value), dtypes, _nbytes(value))
+        calls[name] = call + 1
+
+    # detach=False: under no_grad there is no graph to drop, and the hook makes no tensor
+    tapped = tap(model, specs, capture=("input", "output"), detach=False, observe=observe)
     with explain_failures(model), _eval_mode(model), torch.no_grad(), tapped:
         model(*example_inputs, **example_kwargs)
 
-    ran = _start_order(tapped)
+    ran = tapped.order
     started = set(ran)
+    shown = _op_names(ran)
     rows = []
     for name in ran + [name for name in tapped.names if name not in started]:
-        if depth is not None and _depth(name) > depth:
+        if depth is not None and _depth(owner(name)) > depth:
             continue
-        module = all_layers[name]
-        outputs = tapped.outputs[name] if name in started else []
-        last_in = tapped.inputs[name][-1] if outputs else None
-        last_out = outputs[-1] if outputs else None
-        size = _nbytes(last_out)
+        module = all_layers[owner(name)]
+        is_op = split_op(name) is not None
+        output, dtypes, size = outputs.get(name, (None, "", 0))
         rows.append(
             LayerRow(
-                name=name,
-                type=type(module).__name__,
-                input=_structure(last_in),
-                output=_structure(last_out),
-                dtype=", ".join(
-                    sorted({str(t.dtype).removeprefix("torch.") for t in nested.tensors(last_out)})
-                ),
-                calls=len(outputs),
-                params=sum(p.numel() for p in module.parameters(recurse=False)),
-                params_total=sum(p.numel() for p in module.parameters()),
+                name=shown.get(name, name),
+                type="op" if is_op else type(module).__name__,
+                input=inputs.get(name),
+                output=output,
+                dtype=dtypes,
+                calls=calls.get(name, 0),
+                params=0 if is_op else sum(p.numel() for p in module.parameters(recurse=False)),
+                params_total=0 if is_op else sum(p.numel() for p in module.parameters()),
                 bytes=size,
                 bytes_per_sample=size / batch,
             )

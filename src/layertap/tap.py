@@ -40,17 +40,18 @@ Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.s
 
 - Module hooks see only what crosses a module's boundary; the residual sum, an ``F.relu`` or
   the attention probabilities are plain function calls inside ``forward``. For every module with
-  a tapped op, the tap wraps that module's ``forward`` (and marks the forwards of its
-  descendants) for its lifetime; while such a forward runs, a ``TorchFunctionMode`` sees each
+  a tapped op, the tap wraps that module's ``forward`` (and hooks its descendants) for its
+  lifetime; while such a forward runs, a ``TorchFunctionMode`` sees each
   torch function it calls. An op belongs to the innermost module whose ``forward`` called it:
-  ops inside a child's forward, or inside any hook (they run outside ``forward``), are not the
-  parent's. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
+  ops inside a child's call (its hooks included, and layertap's own hooks with the ``observe``/
+  ``edit`` functions they call) are not the parent's. Only a hook added to a child after the tap
+  started, or a global module hook, runs outside that and counts for the parent. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
 - Cost: nothing for modules without op taps, whose forwards are untouched. Inside a wrapped
   forward every torch function call passes through one Python function (a few microseconds);
   only the tapped ops do more. Everything is restored when the tap ends, on exceptions too.
-- An op's output, inputs (its tensor arguments), ``grad``, ``grad_input``, ``edit`` and
-  ``stop_early`` work as for modules, with the same in-place guarantee: ``add_`` is captured
-  before a later ``relu_`` changes it.
+- An op's output, inputs (the tensor for an op on one tensor, else ``Inputs(args, kwargs)``),
+  ``grad``, ``grad_input``, ``edit`` and ``stop_early`` work as for modules, with the same
+  in-place guarantee: ``add_`` is captured before a later ``relu_`` changes it.
 
 ``observe=f(name, kind, call, value)`` hands each value to ``f`` inside the hook instead of
 keeping it, uncopied (valid during the call only): statistics and searches read every layer
@@ -101,6 +102,23 @@ _OPERATORS = {
     "rshift": "bitwise_right_shift",
 }  # fmt: skip
 _OP_NAMES: dict[Any, str] = {}
+# > 0 while a layertap hook (and the observe=/edit= it calls) runs: a child's hooks run inside its
+# parent's forward, and what they compute is not the parent's op
+_IN_HOOK = [0]
+
+
+def _hook_work(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, with the torch calls it makes hidden from op taps."""
+
+    @functools.wraps(hook)
+    def run(*args: Any) -> Any:
+        _IN_HOOK[0] += 1
+        try:
+            return hook(*args)
+        finally:
+            _IN_HOOK[0] -= 1
+
+    return run
 
 
 def op_name(func: Any) -> str:
@@ -383,6 +401,8 @@ class Tap(Mapping):
         if edit is None:
             return {}
         if callable(edit):
+            if self._star:
+                raise TapError("edit= needs named ops, not 'module:*' (named only as they run): list them with summary(model, x, ops=True)")
             return dict.fromkeys(self.names, edit)
         edits: dict[str, Callable[[str, Any], Any]] = {}
         for spec, fn in edit.items():
@@ -447,53 +467,57 @@ class Tap(Mapping):
 
     def _register(self) -> None:
         root = self.model
-        self._handles.append(root.register_forward_pre_hook(self._on_root_start, with_kwargs=True))
-        self._handles.append(root.register_forward_hook(self._on_root_end, always_call=True))
+        self._handles.append(root.register_forward_pre_hook(_hook_work(self._on_root_start), with_kwargs=True))
+        self._handles.append(root.register_forward_hook(_hook_work(self._on_root_end), always_call=True))
         for name in dict.fromkeys(self.names + list(self._edits)):
             if split_op(name) is not None:
                 continue
             module = self._layers[name]
             tapped = name in self._tapped
             if tapped:  # notes the start (for `order`) and captures inputs
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._hook(name, tapped)))
-        # every module with tapped ops runs in its own frame; its descendants in a blind one
-        framed: dict[int, tuple[nn.Module, str | None]] = {}
+                self._handles.append(module.register_forward_pre_hook(_hook_work(self._pre_hook(name)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_hook_work(self._hook(name, tapped))))
+        # every module with tapped ops runs its forward in its own frame; around the whole call of
+        # it and of each of its descendants (their hooks included) a blind frame hides their ops
+        # from the module that called them
         sited = list(dict.fromkeys([*self._sites, *sorted(self._star)]))
-        for site in sited:
-            framed[id(self._layers[site])] = (self._layers[site], site)
-        for site in sited:
-            for sub in self._layers[site].modules():
-                framed.setdefault(id(sub), (sub, None))
-        for module, frame in framed.values():
-            self._wrap_forward(module, frame)
+        framed = {id(m): m for site in sited for m in self._layers[site].modules()}
+        frames = self._frames
 
-    def _wrap_forward(self, module: nn.Module, name: str | None) -> None:
-        """Run ``module``'s forward inside a frame: ``name``'s ops are seen, a descendant's are not."""
+        def blind(module: nn.Module, args: tuple) -> None:
+            if frames:
+                frames.append(None)
+
+        def see(module: nn.Module, args: tuple, output: Any) -> None:
+            if frames:
+                frames.pop()
+
+        for module in framed.values():
+            self._handles.append(module.register_forward_pre_hook(blind, prepend=True))
+            self._handles.append(module.register_forward_hook(see, always_call=True))
+        for site in sited:
+            self._frame_forward(self._layers[site], site)
+
+    def _frame_forward(self, module: nn.Module, name: str) -> None:
+        """Run ``module``'s own forward (not its hooks) in a frame in which its ops are seen."""
         assert self._restore is not None
         frames, mode = self._frames, self._mode
-        sites = self._sites.get(name, {}) if name is not None else {}
-        star = name in self._star
-        seen = self._ops_seen
+        sites, star, seen = self._sites.get(name, {}), name in self._star, self._ops_seen
         inner = module.forward
         own = module.__dict__.get("forward")
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if name is None:
-                if not frames:  # a descendant called outside a framed forward: nothing to hide
-                    return inner(*args, **kwargs)
-                frames.append(None)
-            else:
-                seen.setdefault(name, {})
-                frames.append(_Frame(name, sites, star))
-                if len(frames) == 1:
-                    mode.__enter__()
+            depth = len(frames)
+            seen.setdefault(name, {})
+            frames.append(_Frame(name, sites, star))
+            if not depth:
+                mode.__enter__()
             try:
                 return inner(*args, **kwargs)
             finally:
-                frames.pop()
-                if name is not None and not frames:
+                del frames[depth:]  # also the blind frames of a child a KeyboardInterrupt cut short
+                if not depth:
                     mode.__exit__(None, None, None)
 
         module.forward = forward  # restored when the tap ends
@@ -597,7 +621,7 @@ class Tap(Mapping):
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One torch function call inside a wrapped forward (the mode is off while this runs)."""
         frame = self._frames[-1]
-        if frame is None:  # inside a descendant's forward: not this module's op
+        if frame is None or _IN_HOOK[0]:  # inside a descendant's forward or a hook: not this module's op
             return func(*args, **kwargs)
         op = op_name(func)
         count = frame.counts[op] = frame.counts.get(op, 0) + 1
@@ -608,14 +632,15 @@ class Tap(Mapping):
             return out
         tapped = [name for name in hits if name in self._tapped]
         module = self._layers[frame.module]
+        # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)
+        single = len(args) == 1 and nested.first_tensor(kwargs) is None
         if tapped and (self._want_input or self._want_grad_input):
-            single = len(args) == 1 and not kwargs
             value: Any = args[0] if single else Inputs(args, kwargs)
             for name in tapped:
                 self._started(name)
                 value = self._take_input(name, module, value)
             if self._want_grad_input:
-                args, kwargs = ((value,), {}) if single else (value.args, value.kwargs)
+                args, kwargs = ((value,), kwargs) if single else (value.args, value.kwargs)
         out = func(*args, **kwargs)
         if not self._saw(frame.module, op, count, out):
             return out  # size(), dim(), shape: nothing to tap
@@ -628,7 +653,6 @@ class Tap(Mapping):
             tapped.append(star)
             self._started(star)
             if self._want_input or self._want_grad_input:
-                single = len(args) == 1 and not kwargs
                 self._take_input(star, module, args[0] if single else Inputs(args, kwargs))
         for name in hits:
             edit = self._edits.get(name)

@@ -25,13 +25,16 @@ def inspect(
         None, "--layers", help="Only these layers (names, globs like 'layer*.0', 're:REGEX'); repeatable."
     ),
     depth: int | None = typer.Option(None, "--depth", min=0, help="Only names with at most N dotted parts."),
+    ops: bool = typer.Option(
+        False, "--ops", help="Also list the ops inside each module's own forward, named as layers= takes them (layer1.0:add_)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
     arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
     """Show every layer of MODEL: name, class, input and output shapes, calls, parameters, bytes per sample.
 
-    Example: layertap inspect torchvision:resnet18 --input-shape 1,3,64,64 --depth 1
+    Example: layertap inspect torchvision:resnet18 --input-shape 1,3,64,64 --depth 1 --ops
     """
     if arch is not None:
         try:
@@ -41,5 +44,5 @@ def inspect(
     net = load_model(model, arch=arch, trust=trust)
     # parse_shape, the option's callback, has made the text a shape
     example = model_info(net).example(cast("tuple[int, ...] | None", input_shape))
-    table = summary(net, example, layers=layers or None, depth=depth)
+    table = summary(net, example, layers=layers or None, depth=depth, ops=ops)
     typer.echo(table.to_json(indent=2) if as_json else str(table))
