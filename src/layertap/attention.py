@@ -69,10 +69,13 @@ def _dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over keys; a row whose keys are all masked (-inf) is zero, as PyTorch's kernels give."""
-    hidden = scores.amax(-1, keepdim=True) == -math.inf
-    return torch.softmax(scores, -1).masked_fill(hidden, 0.0)
+def _softmax(scores: torch.Tensor, masked: bool) -> torch.Tensor:
+    """Softmax over keys; a row whose keys are all masked (-inf) is zero, as PyTorch's kernels give.
+    Only a mask can hide a whole row (a causal row always sees key 0): without one, no second pass."""
+    weights = torch.softmax(scores, -1)
+    if not masked:
+        return weights
+    return weights.masked_fill(scores.amax(-1, keepdim=True) == -math.inf, 0.0)
 
 
 def _mask_rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -130,7 +133,7 @@ def _sdpa(
             scores = torch.where(mask, scores, -math.inf)
         else:
             scores = scores + mask.to(dtype)
-    return _softmax(scores)
+    return _softmax(scores, attn_mask is not None)
 
 
 def sdpa_weights(
@@ -184,6 +187,8 @@ def _mha(
             "is_causal=True is only a hint in nn.MultiheadAttention: it needs the causal attn_mask too "
             "(nn.Transformer.generate_square_subsequent_mask makes one)"
         )
+    # self-attention (the tap hands over detached aliases, so compare memory, not identity)
+    same = query.data_ptr() == key.data_ptr() and query.shape == key.shape and query.stride() == key.stride()
     batched = query.dim() == 3
     if not batched:
         query, key = query.unsqueeze(1), key.unsqueeze(1)
@@ -201,8 +206,14 @@ def _mha(
         w_q, w_k = module.q_proj_weight, module.k_proj_weight
     bias = module.in_proj_bias
     b_q, b_k = (None, None) if bias is None else (bias[:embed].to(dtype), bias[embed : 2 * embed].to(dtype))
-    q = F.linear(query[rows].to(dtype), w_q.to(dtype), b_q)
-    k = F.linear(key.to(dtype), w_k.to(dtype), b_k)
+    if same and rows == slice(None) and module._qkv_same_embed_dim:
+        # self-attention: one matrix product makes both projections
+        b_qk = None if bias is None else bias[: 2 * embed].to(dtype)
+        both = F.linear(query.to(dtype), module.in_proj_weight[: 2 * embed].to(dtype), b_qk)
+        q, k = both[..., :embed], both[..., embed:]
+    else:
+        q = F.linear(query[rows].to(dtype), w_q.to(dtype), b_q)
+        k = F.linear(key.to(dtype), w_k.to(dtype), b_k)
     mask = _float_mask(attn_mask, dtype)
     padding = _float_mask(key_padding_mask, dtype)
     if mask is not None:
@@ -223,7 +234,7 @@ def _mha(
         mask = padding if mask is None else mask + padding
     q = q * math.sqrt(1.0 / head_dim)
     scores = torch.bmm(q, k.transpose(-2, -1)) if mask is None else torch.baddbmm(mask, q, k.transpose(-2, -1))
-    weights = _softmax(scores).view(batch, heads, q.size(1), keys)
+    weights = _softmax(scores, mask is not None).view(batch, heads, q.size(1), keys)
     return weights if batched else weights[0]
 
 
