@@ -32,3 +32,13 @@ def hook_state(model: torch.nn.Module) -> dict:
         for name, m in model.named_modules(remove_duplicate=False)
         for attr in HOOK_DICTS
     }
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny inputs: a second thread gains nothing there, and
+    beside another busy process OpenMP's barriers make two threads many times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

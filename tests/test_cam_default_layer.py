@@ -94,14 +94,9 @@ ZOO = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # one image of at most 128 px gains nothing from intra-op threads; on two shared cores, two
-    # threads waiting for each other at every small op made this file 6x slower (84 s, not 13 s)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one image of at most 128 px gains nothing from intra-op threads; on two shared cores, two
+# threads waiting for each other at every small op made this file 6x slower (84 s, not 13 s)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(case: Case) -> nn.Module:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torchvision
 from conftest import hook_state
+from models import Reordered
 from torch import nn
 
 import layertap
@@ -16,13 +17,7 @@ from layertap import TapError
 CONV_BN = (nn.Conv2d, nn.BatchNorm2d)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # small inputs gain nothing from a second thread, which waits on the first at every op
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +44,18 @@ def clone_at_hook(model, names, kind="output"):
         return lambda m, args, out: seen.append((name, out.clone()))
 
     register = "register_forward_pre_hook" if kind == "input" else "register_forward_hook"
-    handles = [getattr(model.get_submodule(n), register)(hook(n)) for n in names]
+    run_hooked(model, [getattr(model.get_submodule(n), register)(hook(n)) for n in names])
+    return seen
+
+
+def run_hooked(model, handles):
+    """One forward on `x64()` with plain hooks, removed afterwards."""
     try:
         with torch.no_grad():
             model(x64())
     finally:
         for h in handles:
             h.remove()
-    return seen
 
 
 # ---------------------------------------------------------------------------- (a) the values
@@ -162,24 +161,10 @@ def first_starts(model, x):
     return order
 
 
-class Reuse(nn.Module):
-    """Defined in one order, run in another; ``act`` runs twice, ``unused`` never."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(8, 3)
-        self.unused = nn.Linear(8, 8)
-        self.body = nn.Linear(4, 8)
-        self.act = nn.ReLU()
-
-    def forward(self, x):
-        return self.head(self.act(self.body(self.act(x))))
-
-
 @pytest.mark.parametrize("observed", [False, True], ids=["stored", "observed"])
 @pytest.mark.parametrize("case", ["resnet18", "reuse"])
 def test_order_is_the_order_of_first_starts(resnet, case, observed):
-    model, x = (resnet, x64()) if case == "resnet18" else (Reuse(), torch.randn(2, 4))
+    model, x = (resnet, x64()) if case == "resnet18" else (Reordered(), torch.randn(2, 4))
     expected = first_starts(model, x)
     observe = (lambda *a: None) if observed else None
     with torch.no_grad(), layertap.tap(model, ["", nn.Module], observe=observe) as taps:
@@ -208,13 +193,7 @@ def second_relu_inputs(model, blocks):
 
         return hook
 
-    handles = [model.get_submodule(f"{b}.relu").register_forward_pre_hook(pre(b)) for b in blocks]
-    try:
-        with torch.no_grad():
-            model(x64())
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, [model.get_submodule(f"{b}.relu").register_forward_pre_hook(pre(b)) for b in blocks])
     return seen
 
 

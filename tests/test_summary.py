@@ -7,6 +7,7 @@ import pytest
 import torch
 import torchvision
 from conftest import hook_state
+from models import Reordered
 from test_tap import EMA  # an EMA-style wrapper whose child is named `module`
 from torch import nn
 
@@ -85,20 +86,6 @@ def test_rows_match_plain_hooks_order_calls_and_shapes(resnet18):
     assert {row.name: row.calls for row in table} == calls
     assert table["layer1.0.relu"].calls == 2  # BasicBlock calls its one ReLU twice
     assert {row.name: row.to_dict()["output"] for row in table} == outputs
-
-
-class Reordered(nn.Module):
-    """Defined in one order, run in another; one module runs twice, one never."""
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Linear(8, 3)
-        self.unused = nn.Linear(8, 8)
-        self.body = nn.Linear(4, 8)
-        self.act = nn.ReLU()
-
-    def forward(self, x):
-        return self.head(self.act(self.body(self.act(x))))
 
 
 def test_execution_order_repeated_and_unused_modules():

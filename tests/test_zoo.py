@@ -247,13 +247,9 @@ COVERED: dict[str, str] = {}  # model -> its class and input (and Grad-CAM's lay
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _zoo_settings():
-    # inputs are tiny: a second thread gains nothing, and beside any other busy process OpenMP's
-    # barriers make two threads many times slower than one (the module took 522 s instead of 65)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _zoo_settings(one_thread):
+    # inputs are tiny: one thread (with two, the module took 522 s instead of 65)
     yield
-    torch.set_num_threads(threads)
     zoo_models.free_pools()
 
 
