@@ -48,8 +48,21 @@ def test_demo_report_has_every_section(demo):
     _, out = demo
     page = (out / "report.html").read_text()
     assert re.findall(r"<h2>(.*?)</h2>", page) == list(SECTIONS.values())
-    assert "Not shown" not in page and "<script" not in page
+    assert "Not shown" not in page and "<script src" not in page  # its one script is inline
     assert page.count("<figure class='tile") == 16 and page.count("<svg class='plot'") == len(DEMO_LAYERS)
+
+
+def test_demo_probes_rise_with_depth(demo):
+    """The bundled model is right on 99.9% of images: a linear probe must find the classes in
+    its last block and its logits, and much less in its first blocks."""
+    _, out = demo
+    probe = re.search(r"<section id='probe'>.*?</section>", (out / "report.html").read_text(), flags=re.DOTALL)[0]
+    accuracy = {layer: float(a) for layer, a in re.findall(r"<td style='text-align:left'>([\w.]+)</td>.*?>([\d.]+)%</td>", probe)}
+    assert sorted(accuracy) == sorted(DEMO_LAYERS)
+    assert accuracy["features.block4"] >= 97 and accuracy["classifier"] >= 97
+    assert max(accuracy["features.block1"], accuracy["features.block2"]) < 60 < accuracy["features.block4"]
+    assert accuracy["features.block1"] < accuracy["features.block3"] < accuracy["features.block4"]
+    assert "5 stratified folds of 300 labelled samples" in probe
 
 
 @needs_chromium

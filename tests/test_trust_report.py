@@ -105,7 +105,7 @@ def test_the_model_a_store_names_is_not_loaded_without_consent(base, tmp_path, m
         note = found[section]
         assert note.startswith("<p class='missing'>Not shown: the store records its model as &#x27;store_models:build&#x27;")
         assert "--model SPEC" in note and "--trust to load &#x27;store_models:build&#x27;" in note
-    assert "<svg class='plot'" in found["Features in 2-D (PCA)"]  # the store's own data is all shown
+    assert "<svg class='plot'" in found[SECTIONS["projection"]]  # the store's own data is all shown
     assert capsys.readouterr().err == ""
 
 

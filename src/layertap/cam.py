@@ -22,12 +22,17 @@ How it works, and the conventions it shares with pytorch-grad-cam (maps agree to
 - ``targets=None`` scores each image's top class; the scores of the batch are summed before the
   backward, as pytorch-grad-cam does (images stay independent unless the model mixes them, e.g.
   batch norm in ``train()`` mode).
+- ``batch_size=`` bounds the images per forward (a progress bar counts them); the methods return
+  plain tensors, and `show` draws them over their images as a grid a notebook displays.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import html
+import io
 import itertools
 import math
 import operator
@@ -35,6 +40,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
@@ -43,9 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import nested
-from .errors import ArgumentError, LayertapError, LayoutError, TapError
+from .errors import ArgumentError, LayertapError, LayoutError, TapError, require
 from .failures import explain_failures
 from .features import run_model
+from .overlay import Colormap, overlay
+from .progress import progress_bar
 from .select import Layers, named_layers, select
 from .tap import tap
 
@@ -216,7 +224,7 @@ def resolve_targets(logits: torch.Tensor, targets: Targets) -> list[int] | Calla
         targets = targets.tolist()
     if isinstance(targets, Sequence):
         if len(targets) != batch:
-            raise ArgumentError(f"got {len(targets)} targets for a batch of {batch}: give one class per image, or one int")
+            raise _count_error(len(targets), batch)
         chosen = [operator.index(t) for t in targets]
     else:
         chosen = [operator.index(targets)] * batch
@@ -224,6 +232,17 @@ def resolve_targets(logits: torch.Tensor, targets: Targets) -> list[int] | Calla
     if bad:
         raise ArgumentError(f"target class {bad[0]} is out of range: the output has {classes} classes")
     return chosen
+
+
+def _count_error(given: int, batch: int) -> ArgumentError:
+    return ArgumentError(f"got {given} targets for a batch of {batch}: give one class per image, or one int")
+
+
+def _per_image(targets: Targets) -> Sequence[int] | torch.Tensor | None:
+    """``targets`` when it gives one class per image (a sequence, a 1-D tensor), else ``None``."""
+    if isinstance(targets, Sequence) or (isinstance(targets, torch.Tensor) and targets.dim()):
+        return targets
+    return None
 
 
 def _per_class(logits: torch.Tensor) -> torch.Tensor:
@@ -311,10 +330,15 @@ class CAM:
         output: what to score in the model's output when it is not a tensor: an attribute/key
             name or ``f(output) -> tensor``; default ``.logits`` or the first tensor.
         grid, prefix_tokens: override the layout inference (`infer_layout`) for every layer.
+        batch_size: the most images per forward (``None``: all at once); maps, `logits` and
+            `target_classes` are those of all the images, in order.
+        progress: show a progress bar over the batches, when there are several (and Score-CAM's
+            over its masks), in a terminal or a notebook (see `layertap.progress`).
 
     Call with ``inputs`` ``[B, C, *spatial]`` (the model's single argument) and ``targets``:
     ``None`` (top class per image), an int, one int per image, or ``f(output) -> Tensor[B]``
-    (rows must be scored independently: ScoreCAM calls it on masked copies). Returns maps in
+    (rows must be scored independently: ScoreCAM calls it on masked copies, and with
+    ``batch_size`` it is called per batch). Returns maps in
     ``[0, 1]`` of shape ``[B, *spatial]``, float32, on the input's device. After a call,
     `logits` holds the scored output and `target_classes` the classes explained.
     """
@@ -329,12 +353,18 @@ class CAM:
         output: OutputPick = None,
         grid: Sequence[int] | None = None,
         prefix_tokens: int | None = None,
+        batch_size: int | None = None,
+        progress: bool = True,
     ) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise ArgumentError(f"batch_size must be at least 1 (or None: every image at once), got {batch_size}")
         self.model = model
         self.layers: list[str] | None = None if layer is None else select(model, layer)
         self.output = output
         self.grid = grid
         self.prefix_tokens = prefix_tokens
+        self.batch_size = batch_size
+        self.progress = progress
         self.layouts: dict[str, Layout] = {}
         self.logits: torch.Tensor | None = None
         self.target_classes: list[int] | None = None
@@ -352,10 +382,33 @@ class CAM:
             )
         if torch.is_inference_mode_enabled():
             raise TapError("heatmaps need autograd: call the method outside torch.inference_mode()")
-        size = tuple(inputs.shape[2:])
+        per_image = _per_image(targets)
+        if per_image is not None and len(per_image) != len(inputs):  # checked whole, before batches cut it
+            raise _count_error(len(per_image), len(inputs))
         if self.layers is None:  # one image is enough to find the layer: the probe is a full backward
-            first = targets[:1] if isinstance(targets, (list, tuple)) or (isinstance(targets, torch.Tensor) and targets.dim()) else targets
-            self.layers = [self._default_layer(inputs[:1], first)]
+            self.layers = [self._default_layer(inputs[:1], targets if per_image is None else per_image[:1])]
+        step = self.batch_size or len(inputs)
+        several = step < len(inputs)
+        maps: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        classes: list[list[int] | None] = []
+        with progress_bar(len(inputs), desc=type(self).__name__, unit="image", enabled=self.progress and several) as bar:
+            for start in range(0, len(inputs), step):
+                rows = slice(start, start + step)
+                maps.append(self._maps(inputs[rows], targets if per_image is None else per_image[rows]))
+                assert self.logits is not None  # every batch's forward sets it
+                logits.append(self.logits)
+                classes.append(self.target_classes)
+                bar.update(len(maps[-1]))
+        if several:  # the whole call's, not the last batch's
+            self.logits = torch.cat(logits)
+            self.target_classes = None if classes[0] is None else [c for part in classes for c in part or ()]
+        return torch.cat(maps) if several else maps[0]
+
+    def _maps(self, inputs: torch.Tensor, targets: Targets) -> torch.Tensor:
+        """The maps of one batch of images."""
+        assert self.layers is not None  # chosen by now
+        size = tuple(inputs.shape[2:])
         acts, grads, call = self._run(inputs, targets)
         maps = []
         with torch.autocast(inputs.device.type, enabled=False):
@@ -481,7 +534,7 @@ class CAM:
             f"the gradient of the score with respect to layer {name!r} ({layout}) is all zero for "
             f"{which}, so its heatmap is blank: {why}{instead}",
             ZeroGradientWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of __call__, above _maps, _gradient and this
         )
 
     def _probe(self, inputs: torch.Tensor, targets: Targets) -> list[_Seen]:
@@ -756,28 +809,127 @@ class EigenCAM(CAM):
 class ScoreCAM(CAM):
     """Score-CAM (Wang et al. 2020): each channel weighted by the score of the input masked by it.
 
-    Gradient-free but costly: one forward per channel and image, ``batch_size`` at a time. As in
-    pytorch-grad-cam, each channel is upsampled with ``align_corners=True``, min-max scaled
-    (epsilon 1e-8) and multiplied into the input; the masked scores are softmaxed over channels.
+    Gradient-free but costly: one forward per channel and image, ``batch_size`` masked copies
+    at a time (and images, for the first forward). As in pytorch-grad-cam, each channel is
+    upsampled with ``align_corners=True``, min-max scaled (epsilon 1e-8) and multiplied into the
+    input; the masked scores are softmaxed over channels. The progress bar counts the masks.
     """
 
     uses_gradients = False
 
     def __init__(self, model: nn.Module, layer: Layers | None = None, *, batch_size: int = 32, **options: Any) -> None:
-        super().__init__(model, layer, **options)
-        self.batch_size = batch_size
+        super().__init__(model, layer, batch_size=batch_size, **options)
 
     def _weights(self, a, g, call):
         size = call.inputs.shape[2:]
         scores = torch.empty(a.shape[:2])
-        with explain_failures(self.model), torch.no_grad():
-            for b, start in itertools.product(range(a.shape[0]), range(0, a.shape[1], self.batch_size)):
-                chunk = upsample(a[b : b + 1, start : start + self.batch_size], size, align_corners=True)[0]
+        step = self.batch_size
+        # leave=False: beside the bar over batches of images, this one goes when its batch is done
+        bar = progress_bar(a.shape[0] * a.shape[1], desc="ScoreCAM", unit="mask", enabled=self.progress, leave=False)
+        with bar, explain_failures(self.model), torch.no_grad():
+            for b, start in itertools.product(range(a.shape[0]), range(0, a.shape[1], step)):
+                chunk = upsample(a[b : b + 1, start : start + step], size, align_corners=True)[0]
                 masks = normalize(chunk, eps=1e-8)[:, None]  # pytorch-grad-cam's Score-CAM epsilon
                 output = run_model(self.model, call.inputs[b : b + 1] * masks.to(call.inputs.dtype))
                 targets = call.targets if callable(call.targets) else [call.targets[b]] * len(masks)
                 scores[b, start : start + len(masks)] = score(pick_logits(output, self.output), targets).float().cpu()
+                bar.update(len(masks))
         return scores.softmax(-1).to(a.device)
+
+
+# ---------------------------------------------------------------------------------- showing maps
+class HeatmapGrid:
+    """Heatmaps drawn over their images, tiled in a grid that a notebook shows (HTML, or PNG).
+
+    Made by `show`; `image` is the grid as one ``PIL.Image`` and `save` writes it.
+    """
+
+    def __init__(self, tiles: list[Any], captions: Sequence[str], columns: int) -> None:
+        self.tiles = tiles
+        self.captions = list(captions)
+        self.columns = min(columns, len(tiles))
+
+    def __len__(self) -> int:
+        return len(self.tiles)
+
+    def __repr__(self) -> str:
+        return f"<layertap.cam.HeatmapGrid: {len(self)} heatmaps in {self.columns} columns>"
+
+    def image(self) -> Any:
+        """The tiles in one RGB ``PIL.Image``, each at the first tile's size, without captions."""
+        width, height = self.tiles[0].size
+        grid = require("PIL.Image", "vision").new("RGB", (self.columns * width, math.ceil(len(self) / self.columns) * height), "white")
+        for i, tile in enumerate(self.tiles):
+            grid.paste(tile.resize((width, height)), ((i % self.columns) * width, (i // self.columns) * height))
+        return grid
+
+    def save(self, path: str | Path) -> None:
+        self.image().save(path)
+
+    def _repr_png_(self) -> bytes:
+        return _png(self.image())
+
+    def _repr_html_(self) -> str:
+        width = max(self.tiles[0].size[0], 128)  # small inputs (64 px) are drawn larger, pixels kept sharp
+        figures = "".join(
+            f"<figure style='margin:0'><img width='{width}' style='image-rendering:pixelated' "
+            f"src='data:image/png;base64,{base64.b64encode(_png(tile)).decode()}'>"
+            f"<figcaption style='font-size:12px;max-width:{width}px'>{html.escape(caption)}</figcaption></figure>"
+            for tile, caption in zip(self.tiles, self.captions)
+        )
+        return f"<div style='display:grid;grid-template-columns:repeat({self.columns}, max-content);gap:6px'>{figures}</div>"
+
+
+def _png(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _pictures(images: Any) -> list[Any]:
+    """Images as `overlay` takes them; a tensor outside ``[0, 1]`` (a normalised input) is
+    stretched to it, image by image."""
+    if not isinstance(images, torch.Tensor):
+        return list(images)
+    x = images.detach().float().cpu()
+    low = x.flatten(1).amin(1).view(-1, *[1] * (x.dim() - 1))
+    high = x.flatten(1).amax(1).view_as(low)
+    stretched = (x - low) / (high - low).clamp(min=1e-8)
+    return list(torch.where((low < 0) | (high > 1), stretched, x))
+
+
+def show(
+    images: Any,
+    maps: Any,
+    captions: Sequence[str] | None = None,
+    *,
+    alpha: float = 0.5,
+    colormap: Colormap = "jet",
+    columns: int = 8,
+) -> HeatmapGrid:
+    """Draw the ``maps`` a method returned over their ``images``, as a grid a notebook shows.
+
+    ``images`` is the method's input ``[B, 3, H, W]`` (normalised values are stretched to
+    ``[0, 1]`` per image), a uint8 ``[B, H, W, 3]`` array or a list of ``PIL`` images; ``maps``
+    is ``[B, H, W]``; ``captions``, one text per image, go under the tiles. The methods keep
+    returning plain tensors; this is the view of one.
+
+    >>> import torch, torchvision
+    >>> model = torchvision.models.resnet18().eval()
+    >>> x = torch.randn(2, 3, 64, 64)
+    >>> grid = show(x, GradCAM(model, "layer4")(x), ["a <cat>", "a dog"])
+    >>> grid.image().size, "a &lt;cat&gt;" in grid._repr_html_()
+    ((128, 64), True)
+    """
+    pictures, heatmaps = _pictures(images), list(maps)
+    captions = [""] * len(pictures) if captions is None else list(captions)
+    if not pictures or len(heatmaps) != len(pictures) or len(captions) != len(pictures):
+        raise ArgumentError(
+            f"show needs one map (and caption) per image: got {len(pictures)} images, {len(heatmaps)} maps, "
+            f"{len(captions)} captions"
+        )
+    tiles = [overlay(p, m, alpha, colormap) for p, m in zip(pictures, heatmaps)]
+    return HeatmapGrid(tiles, captions, columns)
 
 
 METHODS: dict[str, type[CAM]] = {
@@ -796,6 +948,7 @@ __all__ = [
     "EigenCAM",
     "GradCAM",
     "GradCAMPlusPlus",
+    "HeatmapGrid",
     "HiResCAM",
     "LayerCAM",
     "Layout",
@@ -805,4 +958,5 @@ __all__ = [
     "ZeroGradientWarning",
     "infer_layout",
     "pick_logits",
+    "show",
 ]

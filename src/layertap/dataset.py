@@ -31,7 +31,6 @@ import itertools
 import json
 import queue
 import re
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -49,6 +48,7 @@ from .failures import explain_failures
 from .features import place_model, run_model
 from .fingerprint import Verifier, batch_digests, failed_digests
 from .loading import model_info
+from .progress import progress_bar, say
 from .select import Layers, select
 from .store import (
     ArraySpec,
@@ -383,29 +383,6 @@ def _versions(format: str) -> dict:
     return versions
 
 
-def _progress(enabled: bool, total: int | None) -> Any:
-    """A tqdm bar on a terminal; ``None`` when off, not a terminal, or tqdm is missing."""
-    if not (enabled and sys.stderr.isatty()):
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="sample", desc="extract", dynamic_ncols=True, file=sys.stderr)
-
-
-def _say(enabled: bool, message: str) -> None:
-    if not enabled:
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(f"layertap: {message}", file=sys.stderr, flush=True)
-    else:
-        tqdm.write(f"layertap: {message}", file=sys.stderr)  # above a running bar, not through it
-
-
-
 def extract_dataset(
     model: nn.Module,
     data: Any,
@@ -454,7 +431,8 @@ def extract_dataset(
             running on ``out`` is an error naming it (`layertap.errors.StoreLockedError`).
         on_error: an unreadable image stops the run naming it (``"fail"``) or is recorded in
             the store's ``failed`` list, its rows NaN (``"skip"``).
-        progress: print the size estimate and show a progress bar (on a terminal only).
+        progress: print the size estimate and show a progress bar (in a terminal or a notebook;
+            see `layertap.progress`).
         chunk_size: samples per chunk (default: whole batches, about 16 MB); the unit of
             writing and of resuming.
         limit: only the first ``limit`` samples.
@@ -568,7 +546,7 @@ class _Run:
         procs = self.procs
         state = procs.share(lambda: self._start(resume, overwrite))
         if state == "complete":
-            _say(self.progress, f"{self.out} is already complete")
+            say(f"{self.out} is already complete", self.progress)
             return
         procs.together(self._open)  # rank 0 made or checked it; the others open it
         store = self.store
@@ -577,7 +555,7 @@ class _Run:
         done = procs.share(lambda: sorted(store.done()))
         verifier = None
         if state == "resume":
-            _say(self.progress, f"resuming {self.out}: {len(done)} of {store.num_chunks or '?'} chunks already written")
+            say(f"resuming {self.out}: {len(done)} of {store.num_chunks or '?'} chunks already written", self.progress)
             recorded = {c: m.digests for c, m in store.markers().items() if m.digests is not None}
             verifier = Verifier(recorded, store.chunk_size, self.source, str(self.out))
             if self.source.indexed:  # a stream is checked as it is read again
@@ -599,7 +577,7 @@ class _Run:
     def _start(self, resume: bool, overwrite: bool) -> str:
         """On rank 0: lock the store, then ``"complete"``, ``"resume"`` or ``"new"``."""
         self.writer = open_or_create(
-            self.out, self.format, self.meta, resume=resume, overwrite=overwrite, layout=self._layout, say=lambda m: _say(self.progress, m)
+            self.out, self.format, self.meta, resume=resume, overwrite=overwrite, layout=self._layout, say=lambda m: say(m, self.progress)
         )
         return self.writer.state
 
@@ -668,7 +646,8 @@ class _Run:
         """Run the batches of this process's chunks into the store; where the data ended."""
         shard = _plan(self.store, done, self.procs.rank, self.procs.world)
         reader = self.reader or self._read(shard, done, verifier)
-        bar = _progress(self.progress, len(shard) if shard is not None else self.source.num_samples)
+        total = len(shard) if shard is not None else self.source.num_samples
+        bar = progress_bar(total, desc="extract", unit="sample", enabled=self.progress)
         sink = _Sink(self.store)
         try:
             for batch, leaves in reader:
@@ -678,8 +657,7 @@ class _Run:
                 if arrays or batch.failed:
                     digests = batch_digests(self.source, batch) if len(batch) else []
                     sink.put(batch, arrays, digests, failed_digests(self.source, batch.failed))
-                if bar is not None:
-                    bar.update(len(batch) + len(batch.failed))
+                bar.update(len(batch) + len(batch.failed))
         except BaseException:
             with contextlib.suppress(BaseException):
                 sink.close(None)  # keep every whole chunk done so far
@@ -688,8 +666,7 @@ class _Run:
             sink.close(self.end)
         finally:
             self.read_first.clear()
-            if bar is not None:
-                bar.close()
+            bar.close()
         return self.end
 
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:

@@ -13,7 +13,8 @@ What it does, on freshly generated images (`layertap.shapes.generate`):
 3. heatmaps (`layertap.cam.GradCAM`), scored by the pointing game against the true boxes;
 4. activation statistics of those layers (`layertap.stats`);
 5. ``DIR/report.html`` (`layertap.build_report`), the page that ``layertap report`` makes from
-   any store.
+   any store: heatmaps, the layers' features in 2-D with hover thumbnails, linear probes that
+   rise from ``features.block1`` to ``features.block4``, statistics.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def run_demo(out_dir: str | Path = "layertap-demo", *, n_images: int = 300, seed
 
         report = build_report(
             store, out / "report.html", model=model, images=images, stats=table, cam_layer=CAM_LAYER,
-            title="layertap demo: the bundled shapes model",
+            title="layertap demo: the bundled shapes model", progress=progress,
         )
     print(f"\n5/5 report: {report}")
     print(f"run time: {time.perf_counter() - started:.1f} s")

@@ -6,6 +6,9 @@
 >>> picture.size, picture.mode
 ((64, 48), 'RGB')
 
+With ``transform=`` (the model's preprocessing) the map is drawn on the original image, where
+the model saw it, at the image's own resolution.
+
 Colormaps come from matplotlib when it is installed (any of its names); without it, ``"jet"``
 is built in (`JET`, matplotlib's definition), and any ``[N, 3]`` array works as a colormap.
 """
@@ -20,8 +23,11 @@ import numpy as np
 import torch
 
 from .errors import ArgumentError, require
+from .images import to_original
 
 Colormap = str | np.ndarray
+#: How bright the parts of an image the model did not see are drawn (a NaN in the map).
+UNSEEN_SHADE = 0.4
 
 
 def _jet(levels: int = 256) -> np.ndarray:
@@ -99,22 +105,37 @@ def _as_image(image: Any):
     return pil.fromarray(array, "RGB")
 
 
-def overlay(image: Any, heatmap: Any, alpha: float = 0.5, colormap: Colormap = "jet"):
+def overlay(image: Any, heatmap: Any, alpha: float = 0.5, colormap: Colormap = "jet", *, transform: Any = None):
     """Blend the colorized ``heatmap`` over ``image``: ``(1 - alpha) * image + alpha * color``.
 
     ``image`` is a ``PIL.Image``, a ``[3, H, W]`` tensor in [0, 1] or an ``[H, W, 3]`` array;
     ``heatmap`` (tensor or array, values in [0, 1]) is resized bilinearly to the image's size.
-    Returns an RGB ``PIL.Image``.
+    With ``transform``, the model's preprocessing, ``image`` is the original picture and the map,
+    over the model's input, is laid back where the model saw it (`layertap.images.to_original`),
+    at the image's own resolution. Where the map is NaN (outside the model's centre crop) the
+    image is dimmed, not coloured. Returns an RGB ``PIL.Image``.
+
+    >>> import numpy as np
+    >>> from PIL import Image
+    >>> from layertap.loading import ImageTransform
+    >>> overlay(Image.new("RGB", (300, 180)), np.ones((32, 32)), transform=ImageTransform((3, 32, 32))).size
+    (300, 180)
     """
     if not 0 <= alpha <= 1:
         raise ArgumentError(f"alpha must be in [0, 1], got {alpha}")
     pil = require("PIL.Image", "vision")
     base = _as_image(image)
-    values = _as_map(heatmap)
-    if values.shape != (base.height, base.width):
-        values = np.asarray(pil.fromarray(values.astype(np.float32), "F").resize(base.size, pil.BILINEAR))
+    if transform is not None:
+        values = to_original(heatmap, base, transform)
+    else:
+        values = _as_map(heatmap)
+        if values.shape != (base.height, base.width):
+            values = np.asarray(pil.fromarray(values.astype(np.float32), "F").resize(base.size, pil.BILINEAR))
     color = colorize(values, colormap).astype(np.float32)
-    blended = (1 - alpha) * np.asarray(base, dtype=np.float32) + alpha * color
+    pixels = np.asarray(base, dtype=np.float32)
+    blended = (1 - alpha) * pixels + alpha * color
+    unseen = np.isnan(values)
+    blended[unseen] = UNSEEN_SHADE * pixels[unseen]
     return pil.fromarray(np.clip(blended, 0, 255).round().astype(np.uint8), "RGB")
 
 

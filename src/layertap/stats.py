@@ -47,13 +47,15 @@ import torch
 from torch import nn
 
 from . import nested
-from .data import iter_batches
+from .data import open_data
 from .distributed import Processes
 from .errors import LayerNotFoundError
 from .failures import explain_failures
 from .features import place_model, run_model
 from .loading import model_info
+from .progress import progress_bar
 from .select import Layers, named_layers, owner, select
+from .tables import Table, number, sparkline
 from .tap import tap
 
 
@@ -354,25 +356,25 @@ def _number(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _cell(v: float) -> str:
-    return f"{v:.4g}" if math.isfinite(v) else "-"
-
-
 def _spread(values: np.ndarray | None) -> str:
     """``lo..hi`` of per-channel values (``-`` without them)."""
     if values is None or not np.isfinite(values).any():
         return "-"
-    return f"{_cell(float(np.nanmin(values)))}..{_cell(float(np.nanmax(values)))}"
+    return f"{number(float(np.nanmin(values)))}..{number(float(np.nanmax(values)))}"
 
 
 def _percent(v: float) -> str:
     return f"{100 * v:.3g}%" if v else "0"
 
 
+_NUMERIC = {"mean", "std", "min", "max", "zeros", "non-finite", "dead", "channel means", "channel stds"}  # right-aligned
+
+
 class StatsTable(Mapping[str, LayerStats]):
     """The statistics of every tapped layer, in execution order; a mapping ``name -> LayerStats``.
 
-    ``print(table)`` shows a table; `to_json` / `to_dict` give the numbers. A layer *explodes*
+    ``print(table)`` shows a table, a notebook its HTML (`to_html`, with a histogram sparkline
+    per row when they were computed); `to_json` / `to_dict` give the numbers. A layer *explodes*
     when it has non-finite values or a finite magnitude above ``explode_threshold``.
     """
 
@@ -418,50 +420,59 @@ class StatsTable(Mapping[str, LayerStats]):
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def __str__(self) -> str:
-        per_channel = any(r.channel_mean is not None for r in self.rows.values())
-        head: tuple[str, ...] = ("layer", "type", "shape", "mean", "std", "min", "max", "zeros", "non-finite", "dead")
-        head += ("channel means", "channel stds", "flags") if per_channel else ("flags",)
-        lines = [head]
-        for key, r in self.rows.items():
-            flags = " ".join(
-                f
-                for f, on in (
-                    ("NON-FINITE", r.nonfinite_fraction > 0),
-                    ("EXPLODING", self.is_exploding(r)),
-                    ("DEAD", r.dead_channels),
-                )
-                if on
+    def flags(self, row: LayerStats) -> list[str]:
+        """What is wrong with ``row``: ``NON-FINITE``, ``EXPLODING``, ``DEAD`` (none: fine)."""
+        return [
+            f
+            for f, on in (
+                ("NON-FINITE", row.nonfinite_fraction > 0),
+                ("EXPLODING", self.is_exploding(row)),
+                ("DEAD", bool(row.dead_channels)),
             )
-            dead = f"{len(r.dead_channels)}/{r.channels}" if r.channels is not None else "?"
-            line: tuple[str, ...] = (
+            if on
+        ]
+
+    def _table(self, histograms: bool) -> Table:
+        """The rows as a `Table`; ``histograms`` adds a sparkline column (HTML only)."""
+        per_channel = any(r.channel_mean is not None for r in self.rows.values())
+        histograms = histograms and any(r.histogram is not None for r in self.rows.values())
+        head = ["layer", "type", "shape", "mean", "std", "min", "max", "zeros", "non-finite", "dead"]
+        head += ["channel means", "channel stds"] if per_channel else []
+        head += ["histogram"] if histograms else []
+        lines = []
+        for key, r in self.rows.items():
+            line = [
                 key,
                 r.module_type,
                 "x".join(map(str, r.shape)),
-                _cell(r.mean),
-                _cell(r.std),
-                _cell(r.min),
-                _cell(r.max),
+                *(number(v) for v in (r.mean, r.std, r.min, r.max)),
                 _percent(r.zero_fraction),
                 _percent(r.nonfinite_fraction),
-                dead,
-            )
+                f"{len(r.dead_channels)}/{r.channels}" if r.channels is not None else "?",
+            ]
             if per_channel:
-                line += (_spread(r.channel_mean), _spread(r.channel_std))
-            lines.append(line + (flags,))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        left = {0, 1, 2, len(head) - 1}  # text columns; numbers align right
-        text = [
-            "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-            for line in lines
-        ]
-        text.append("mean, std, min and max are over finite values (non-finite values are counted apart).")
+                line += [_spread(r.channel_mean), _spread(r.channel_std)]
+            if histograms:
+                line.append(sparkline(*r.histogram) if r.histogram is not None else "-")
+            lines.append([*line, " ".join(self.flags(r))])
+        notes = ["mean, std, min and max are over finite values (non-finite values are counted apart)."]
         if self.missing:
-            text.append(
+            notes.append(
                 f"{len(self.missing)} tapped layers have no statistics (they never ran, or output no floating-point "
                 f"tensor): {', '.join(self.missing[:10])}{' ...' if len(self.missing) > 10 else ''}"
             )
-        return "\n".join(text)
+        flagged = {i for i, r in enumerate(self.rows.values()) if self.flags(r)}
+        return Table([*head, "flags"], lines, numeric=_NUMERIC, notes=notes, flagged=flagged)
+
+    def __str__(self) -> str:
+        return self._table(histograms=False).text()
+
+    def to_html(self) -> str:
+        """The table as escaped HTML, with a histogram sparkline per row when they were computed;
+        flagged rows are shaded."""
+        return self._table(histograms=True).html()
+
+    _repr_html_ = to_html
 
     def __repr__(self) -> str:
         flagged = f"{len(self.exploding())} exploding, {len(self.dead_units())} with dead units"
@@ -505,6 +516,7 @@ def stats(
     transform: Callable[[Any], torch.Tensor] | None = None,
     num_workers: int | None = None,
     explode_threshold: float = 1e4,
+    progress: bool = True,
 ) -> StatsTable:
     """Statistics of the outputs of ``layers`` over all of ``data``, in one pass and constant memory.
 
@@ -523,6 +535,8 @@ def stats(
             (`layertap.model_info`).
         device: where to run; the model is moved there. Default: where its weights are.
         explode_threshold: a finite magnitude above which a layer is flagged as exploding.
+        progress: show a progress bar over the samples, in a terminal or a notebook (see
+            `layertap.progress`).
 
     The model runs as it is (call ``model.eval()`` first for inference statistics), without
     autograd. Under ``torchrun`` every rank calls `stats` on its own part of the data; the
@@ -548,11 +562,13 @@ def stats(
             _merge(summaries, (layer, call), summary)
 
     transform = transform or model_info(model).transform
-    batches = iter_batches(data, batch_size=batch_size, transform=transform, num_workers=num_workers)
-    with explain_failures(model), torch.no_grad(), tap(model, names, observe=observe) as taps:
-        for batch in batches:
+    source = open_data(data, batch_size=batch_size, transform=transform, num_workers=num_workers)
+    bar = progress_bar(source.num_samples, desc="stats", unit="sample", enabled=progress)
+    with bar, explain_failures(model), torch.no_grad(), tap(model, names, observe=observe) as taps:
+        for batch in source.batches():
             run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
             taps.clear()  # `call` restarts: a row is a call position within one forward
+            bar.update(len(batch))
     summaries = _merge_ranks(summaries)
     repeated = {layer for layer, call in summaries if call > 0}
     modules = named_layers(model)

@@ -62,6 +62,7 @@ import torch
 
 from .data import Failure
 from .errors import StoreError, StoreLockedError, require
+from .tables import Table
 from .units import human_bytes
 
 FORMATS = ("zarr", "hdf5", "npy")
@@ -1308,7 +1309,8 @@ class FeatureStore(Mapping[str, Any]):
     Values are the format's own lazy arrays (``zarr.Array``, ``h5py.Dataset``, ``np.memmap``):
     slicing reads only what is asked. Samples that failed to load (``on_error='skip'``) are
     listed in `failed` and their rows hold NaN (floats) or -1/0 (integers). Opening checks the
-    store (see the module docs): a damaged or crafted one is refused with a `StoreError`.
+    store (see the module docs): a damaged or crafted one is refused with a `StoreError`. A
+    notebook shows its arrays, how complete it is and how many samples failed.
 
     >>> import layertap
     >>> feats = layertap.open_features("/tmp/doc.zarr")       # doctest: +SKIP
@@ -1415,6 +1417,27 @@ class FeatureStore(Mapping[str, Any]):
         arrays = ", ".join(f"{a['key']} {tuple(a['shape'])} {a['dtype']}" for a in self.meta["arrays"])
         state = "" if self.complete else ", INCOMPLETE"
         return f"<layertap.FeatureStore {self.format} {str(self.path)!r}: {self.num_samples} samples{state}; {arrays}>"
+
+    def _repr_html_(self) -> str:
+        """The store in a notebook: what it holds, how complete it is, and its arrays."""
+        n, chunk = self.num_samples, self.meta["chunk_size"]
+        chunks = -(-n // chunk)
+        written = "complete" if self.complete else f"INCOMPLETE: {len(self._markers)} of {chunks} chunks written"
+        facts = [
+            ("path", str(self.path)),
+            ("format", self.format),
+            ("samples", f"{n:,} ({written}; {int(self.valid.sum()):,} rows hold features)"),
+            ("failed", f"{len(self.failed):,}"),
+            ("labels", self.meta["labels"] or "none"),
+            ("model", str(self.meta.get("model"))),
+            ("reduce", str(self.meta.get("reduce") or "none")),
+        ]
+        rows = [
+            [a["key"], str([n, *a["shape"]]), a["dtype"], human_bytes(n * ArraySpec(**a).sample_bytes)]
+            for a in self.meta["arrays"]
+        ]
+        table = Table(["array", "shape", "dtype", "size"], rows, numeric={"size"}, title="layertap.FeatureStore", facts=facts)
+        return table.html()
 
 
 def open_features(path: str | Path) -> FeatureStore:

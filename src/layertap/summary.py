@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import html
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
@@ -40,6 +39,7 @@ from .failures import explain_failures
 from .features import place_model
 from .loading import model_info
 from .select import Layers, Spec, named_layers, owner, select, split_op
+from .tables import Table
 from .tap import Inputs, tap
 from .units import human_bytes
 
@@ -163,40 +163,26 @@ class LayerTable(Sequence):
             f"{human_bytes(self.bytes_per_sample)} per sample"
         )
 
-    def __str__(self) -> str:
-        cells = [list(_COLUMNS)] + [
-            [c if len(c) <= _CELL_WIDTH else c[: _CELL_WIDTH - 1] + "…" for c in line]
-            for line in self._cells()
-        ]
+    def _table(self, indent: str, width: int | None) -> Table:
+        """The rows as a `Table`: names indented by nesting, cells cut at ``width`` characters."""
+        lines = self._cells()
+        if width is not None:
+            lines = [[c if len(c) <= width else c[: width - 1] + "…" for c in line] for line in lines]
         top = min((max(row.depth, 1) for row in self.rows), default=1)
-        for line, row in zip(cells[1:], self.rows):
-            line[0] = "  " * max(row.depth - top, 0) + line[0]  # indent by nesting
-        widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-        text = [
-            "  ".join(
-                c.rjust(w) if _COLUMNS[i] in _NUMERIC else c.ljust(w)
-                for i, (c, w) in enumerate(zip(line, widths))
-            ).rstrip()
-            for line in cells
-        ]
-        return "\n".join(text + ["", self.footer()])
+        for line, row in zip(lines, self.rows):
+            line[0] = indent * max(row.depth - top, 0) + line[0]
+        return Table(_COLUMNS, lines, numeric=_NUMERIC, notes=["", self.footer()])
+
+    def __str__(self) -> str:
+        return self._table("  ", _CELL_WIDTH).text()
 
     __repr__ = __str__
 
-    def _repr_html_(self) -> str:
-        def tag(name: str, cells: list[str]) -> str:
-            aligns = ("right" if column in _NUMERIC else "left" for column in _COLUMNS)
-            row = "".join(
-                f"<{name} style='text-align:{align}'>{html.escape(c)}</{name}>"
-                for c, align in zip(cells, aligns)
-            )
-            return f"<tr>{row}</tr>"
+    def to_html(self) -> str:
+        """The table as escaped HTML (a notebook shows it), shapes whole."""
+        return self._table("\u00a0\u00a0", None).html()  # no-break spaces: HTML keeps them
 
-        body = "".join(tag("td", line) for line in self._cells())
-        return (
-            f"<table><caption style='caption-side:bottom'>{html.escape(self.footer())}</caption>"
-            f"<thead>{tag('th', list(_COLUMNS))}</thead><tbody>{body}</tbody></table>"
-        )
+    _repr_html_ = to_html
 
 
 # ---------------------------------------------------------------------------- value structure

@@ -76,6 +76,8 @@ from . import nested
 from .controls import Reduce, make_transform, shares_memory
 from .errors import LayerNotFoundError, LayerNotRunError, LayertapError, TapError
 from .select import Layers, aliases, named_layers, not_found, owner, select, split_op, wrapped_child
+from .tables import Table
+from .units import human_bytes
 
 Kind = Literal["output", "input", "grad", "grad_input"]
 KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
@@ -898,6 +900,29 @@ class Tap(Mapping):
     def __repr__(self) -> str:
         state = "active" if self._restore is not None else "inactive"
         return f"<layertap.Tap {state}: {len(self.names)} layers, capture={self.capture}, keep={self.keep!r}>"
+
+    def _repr_html_(self) -> str:
+        """The tap in a notebook: per layer and kind, the shape, dtype and bytes of what it holds."""
+        ran = self.order
+        rows, total = [], 0
+        for name in ran + [n for n in self.names if n not in ran]:
+            for kind in self.capture:
+                kept = [v.value() if isinstance(v, (_Grads, _Parts)) else v for _, v, _ in self._stores[kind].entries.get(name, ())]
+                tensors = [nested.tensors(v) for v in kept if v is not None]
+                size = sum(t.numel() * t.element_size() for ts in tensors for t in ts)
+                total += size
+                shape = ", ".join(str(list(t.shape)) for t in tensors[-1]) if tensors else "-"
+                dtypes = ", ".join(sorted({str(t.dtype).removeprefix("torch.") for ts in tensors for t in ts}))
+                rows.append([name, kind, str(len(tensors)), shape, dtypes or "-", human_bytes(size) if tensors else "-"])
+        state = "active (inside its with block)" if self._restore is not None else "inactive"
+        held = "none: every value goes to observe=" if self._observe is not None else f"{human_bytes(total)} (keep={self.keep!r})"
+        return Table(
+            ["layer", "kind", "calls kept", "shape (last call)", "dtype", "bytes"],
+            rows,
+            numeric={"calls kept", "bytes"},
+            title="layertap.Tap",
+            facts=[("state", state), ("layers", f"{len(self.names)}, {len(ran)} ran"), ("held", held)],
+        ).html()
 
 
 class _View(Mapping):

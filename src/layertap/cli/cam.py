@@ -6,16 +6,14 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import LayertapError, require
+from ..errors import LayertapError
 from ..features import place_model
-from ..images import find_images, load_image
+from ..images import find_images, load_image, model_view
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
 from .core import app, typer
@@ -88,20 +86,6 @@ def safe_names(ids: list[str]) -> list[str]:
         taken.add(name.lower())
         names.append(name)
     return names
-
-
-def display_image(transform: Callable[[Any], torch.Tensor], image: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """The model's input ``tensor`` back in ``[0, 1]`` RGB, for drawing the heatmap on.
-
-    The preprocessing (resize, crop, per-channel normalisation) is undone without knowing it:
-    black and white images of the same size, through the same transform, give each channel's
-    offset and scale.
-    """
-    pil = require("PIL.Image", "vision")
-    black = transform(pil.new("RGB", image.size, (0, 0, 0))).mean((1, 2), keepdim=True)
-    white = transform(pil.new("RGB", image.size, (255, 255, 255))).mean((1, 2), keepdim=True)
-    scale = white - black
-    return ((tensor - black) / scale.where(scale != 0, torch.ones_like(scale))).clamp(0, 1)
 
 
 @app.command()
@@ -180,8 +164,8 @@ def cam(
             for k, i in enumerate(chunk):
                 heat = maps[k].cpu()
                 np.save(Path(staging, f"{names[i]}.npy"), heat.numpy())
-                shown = display_image(transform, pictures[k], inputs[k])
-                overlay(shown, heat, alpha, colormap).save(Path(staging, f"{names[i]}.png"))
+                # drawn on the picture as the model got it (resized, cropped): the map's own frame
+                overlay(model_view(pictures[k], transform), heat, alpha, colormap).save(Path(staging, f"{names[i]}.png"))
                 top = int(probs[k].argmax())
                 label = info.classes[top] if info.classes and top < len(info.classes) else str(top)
                 explained = explainer.target_classes[k] if explainer.target_classes else top

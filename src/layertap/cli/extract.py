@@ -61,6 +61,9 @@ def extract(
     chunk_size: int | None = typer.Option(
         None, "--chunk-size", min=1, help="Samples per chunk: the unit of writing, resuming and sharing among processes (default: ~16 MB)."
     ),
+    progress: bool = typer.Option(
+        True, "--progress/--no-progress", help="Print the size estimate and show a progress bar (the bar on a terminal only)."
+    ),
     arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
@@ -92,6 +95,7 @@ def extract(
         limit=limit,
         chunk_size=chunk_size,
         max_image_pixels=max_image_pixels,
+        progress=progress,
     )
     with store:
         if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job

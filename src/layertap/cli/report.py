@@ -8,9 +8,17 @@ from pathlib import Path
 from ..cam import METHODS
 from ..loading import load_model
 from ..report import build_report
+from ..report.projection import PROJECTIONS
 from ..store import is_url, location
 from .core import app, typer
 from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
+
+
+def _check_projections(names: list[str]) -> list[str]:
+    unknown = [n for n in names if n not in PROJECTIONS]
+    if unknown:
+        raise typer.BadParameter(f"unknown projection {unknown[0]!r}; choose from {', '.join(PROJECTIONS)}")
+    return names
 
 
 @app.command()
@@ -25,18 +33,24 @@ def report(
     images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: none; with --trust, the one the store records)."),
     method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
     heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
-    max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the PCA plots and used for statistics."),
+    max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the 2-D plots, probed, and used for statistics."),
+    projection: list[str] = typer.Option(
+        ["pca"], "--projection", callback=_check_projections,
+        help="How the features are drawn in 2-D, repeatable: pca, tsne (needs scikit-learn), umap (needs umap-learn).",
+    ),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the sections being built on a progress bar (on a terminal only)."),
     trust: bool = trust_option(
         "Use what the store records: without --model, its model spec (named on stderr first; it runs code the store "
         "names); without --images, its image folder. "
         + TRUST_HELP
     ),
 ) -> None:
-    """Write one HTML page (no network needed to view it) with the model's layer table, heatmaps
-    of the store's images with true and predicted classes, a 2-D PCA of every stored layer
-    coloured by class, and per-layer activation statistics. Sections that need what the store
-    lacks (the model, the image files) say so instead. A store is data: the model and the image
-    folder it records are used only with --trust, and only images inside the image folder are read.
+    """Write one HTML page (it opens offline, from the file) with the model's layer table, heatmaps
+    of the store's images with true and predicted classes, every stored layer's features in 2-D
+    (hover a point for its image, search an id), a linear probe's accuracy per layer, and
+    activation statistics with histograms. Sections that need what the store lacks (the model,
+    the image files) say so instead. A store is data: the model and the image folder it records
+    are used only with --trust, and only images inside the image folder are read.
 
     Example: layertap report ./features.zarr --out report.html
     """
@@ -51,6 +65,7 @@ def report(
     target = out or Path(os.path.abspath(where)).with_suffix(".html")
     net = load_model(model, arch=arch, trust=trust) if model is not None else None
     path = build_report(
-        where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples, trust_store=trust
+        where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples,
+        projections=projection, trust_store=trust, progress=progress,
     )
     typer.echo(f"report: {path}")

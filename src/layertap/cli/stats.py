@@ -26,6 +26,7 @@ def stats(
         None, "--device", help="Run on this device, e.g. cuda:0 (default: where the weights are)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar (on a terminal only)."),
     arch: str | None = arch_option(),
     trust: bool = trust_option(),
 ) -> None:
@@ -45,5 +46,6 @@ def stats(
         histogram_bins=bins,
         batch_size=batch_size,
         device=device,
+        progress=progress,
     )
     typer.echo(table.to_json() if as_json else str(table))
