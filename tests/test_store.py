@@ -156,3 +156,25 @@ def test_a_zarr_store_in_an_object_store_through_an_fsspec_url(tmp_path):
         layertap.extract_dataset(model, x, "1", url.replace(".zarr", ".h5"), progress=False)
     remove_store(url)
     assert not fs.exists(f"/layertap-test-{os.getpid()}/feats.zarr")
+
+
+@pytest.mark.parametrize("fmt", ["npy", "zarr"])
+def test_a_store_killed_while_being_made_is_made_anew_and_never_read(tmp_path, fmt):
+    import json
+    import shutil
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    data = torch.randn(10, 4)
+    out = tmp_path / f"f.{fmt}"
+    whole = layertap.extract_dataset(model, data, "0", out, format=fmt, batch_size=4, progress=False).to_numpy("0")
+    # what a kill between the metadata and the arrays leaves: ready=False, an array missing
+    meta_file = out / ("layertap.json" if fmt == "npy" else "zarr.json")
+    meta = json.loads(meta_file.read_text())
+    layer_meta = meta if fmt == "npy" else meta["attributes"]["layertap"]
+    layer_meta.update(ready=False, complete=False)
+    meta_file.write_text(json.dumps(meta))
+    (out / "ids.npy").unlink() if fmt == "npy" else shutil.rmtree(out / "ids")
+    with pytest.raises(layertap.StoreError, match="holds no features: it was being created"):
+        layertap.open_features(out)
+    again = layertap.extract_dataset(model, data, "0", out, format=fmt, batch_size=4, progress=False)
+    assert again.complete and np.array_equal(again.to_numpy("0"), whole)

@@ -722,9 +722,10 @@ def _header(f: Any) -> tuple[tuple, bool, np.dtype]:
 _BACKENDS: dict[str, type[_Backend]] = {"zarr": _ZarrBackend, "hdf5": _HDF5Backend, "npy": _NpyBackend}
 
 
-def _open_backend(path: Location, mode: str, format: str | None = None) -> tuple[_Backend, dict]:
+def _open_backend(path: Location, mode: str, format: str | None = None, *, half_made: bool = False) -> tuple[_Backend, dict]:
     """The store at ``path`` opened for reading (``"r"``) or adding chunks (``"r+"``), checked:
-    nothing in it leads outside it, its metadata has the right form, its arrays agree with it."""
+    nothing in it leads outside it, its metadata has the right form, its arrays agree with it.
+    A store whose writer was killed while making it is refused, unless ``half_made`` (to remove it)."""
     format = format or detect_format(path)
     if format is None:
         raise StoreError(f"no layertap feature store at {path} (a Zarr folder, an HDF5 file or a folder of .npy files)")
@@ -740,7 +741,13 @@ def _open_backend(path: Location, mode: str, format: str | None = None) -> tuple
         if not meta or "layertap_store" not in meta:
             raise StoreError(f"{path} is not a layertap feature store")
         _check_meta(meta, path, format)
-        _check_arrays(backend, meta)
+        if meta["ready"]:
+            _check_arrays(backend, meta)
+        elif not half_made:  # a writer killed while making it: its arrays may be half made
+            raise StoreError(
+                f"{path} holds no features: it was being created when its writer stopped. Run the same "
+                "extraction again (it is made anew)"
+            )
     except BaseException:
         backend.close()
         raise
@@ -1037,12 +1044,13 @@ def _resume_or_refuse(out: Location, format: str | None, settings: dict, resume:
     if overwrite:
         remove_store(out)
         return None
-    writer = StoreWriter.open(out)
-    meta = writer.meta
+    backend, meta = _open_backend(out, "r", half_made=True)
     if not meta["ready"]:  # killed while creating it: nothing to keep
-        writer.close()
+        backend.close()
         remove_store(out)
         return None
+    backend.close()
+    writer = StoreWriter.open(out)
     problem = None
     if not resume:
         problem = "already holds features"
