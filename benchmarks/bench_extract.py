@@ -6,8 +6,15 @@ plain loop, which only runs the whole model and keeps nothing (the limit for a l
 and the median over rounds of each round's ratio.
 Then layertap's peak memory (of a fresh process) for 1x and 10x the samples.
 
-    python benchmarks/bench_extract.py                      # resnet50, 256 JPEGs, 3 rounds
+The C allocator is set for the whole process and for good (`layertap.allocator`), so all this
+runs in a child process per setting: ``--allocator default`` (glibc as it comes), ``tuned``
+(`layertap.tune_allocator` first, as ``layertap extract`` does; the memory runs too), or
+``both``, the default: the two children one after the other, each compared with its own plain
+loop, then the tuned/default ratio of each method's minimum time.
+
+    python benchmarks/bench_extract.py                      # resnet50, 256 JPEGs, 3 rounds, both allocators
     python benchmarks/bench_extract.py --rounds 15 --size 224
+    python benchmarks/bench_extract.py --allocator tuned --skip-memory
 
 thingsvision and TorchLens are optional (``pip install thingsvision torchlens``); a missing or
 unusable one is reported in the output. thingsvision imports TensorFlow at import time though
@@ -30,12 +37,14 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import allocators
 import numpy as np
 import torch
 import torchvision
 from torchvision import transforms as T
 
 import layertap
+from layertap.allocator import tune_allocator
 from layertap.shapes import generate, save_images
 
 LATE, EARLY = "avgpool", "layer1"
@@ -152,7 +161,9 @@ def competitors() -> tuple[dict, list[str]]:
 
 
 # ----------------------------------------------------------------------------------- memory
-def memory_child(folder: str, size: int, batch_size: int, workers: int, repeat: int, out: str, layer: str) -> None:
+def memory_child(folder: str, size: int, batch_size: int, workers: int, repeat: int, out: str, layer: str, allocator: str) -> None:
+    if allocator == "tuned":
+        tune_allocator()
     loader = make_loader(Path(folder), size, batch_size, workers, repeat)
     model = build_model()
     if layer == "plain":
@@ -172,7 +183,7 @@ def peak_rss_kb() -> int:
 
 
 def peak_memory_mb(args, folder: Path, scratch: Path, repeat: int, layer: str) -> float:
-    command = [sys.executable, __file__, "--memory-child", str(folder), str(args.size), str(args.batch_size), str(args.workers), str(repeat), str(scratch / f"mem{repeat}.zarr"), layer]
+    command = [sys.executable, __file__, "--memory-child", str(folder), str(args.size), str(args.batch_size), str(args.workers), str(repeat), str(scratch / f"mem{repeat}.zarr"), layer, args.allocator]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     shutil.rmtree(scratch / f"mem{repeat}.zarr", ignore_errors=True)
     return int(done.stdout.split()[-1]) / 1024
@@ -188,14 +199,18 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--memory-only", action="store_true")
+    allocators.add_option(parser)
     args = parser.parse_args()
+    if not allocators.start(args):
+        return
 
     scratch = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     try:
         folder = scratch / "images"
         save_images(generate(args.n, seed=0, size=args.size), folder, format="jpg")
         if not args.memory_only:
-            throughput(args, folder, scratch)
+            mins = throughput(args, folder, scratch)
+            allocators.save(args, mins)
         if not args.skip_memory:
             print("\npeak memory, fresh process each (VmHWM):")
             print(f"  plain loop, {args.n} samples: {peak_memory_mb(args, folder, scratch, 1, 'plain'):8.1f} MB")
@@ -206,7 +221,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def throughput(args, folder: Path, scratch: Path) -> None:
+def throughput(args, folder: Path, scratch: Path) -> dict[str, float]:
     loader = make_loader(folder, args.size, args.batch_size, args.workers)
     model = build_model()
     others, notes = competitors()
@@ -236,11 +251,12 @@ def throughput(args, folder: Path, scratch: Path) -> None:
             print(f"layertap vs TorchLens, {layer}: {ratio:.2f}x")
     for note in notes:
         print(note)
+    return {name: min(values) for name, values in times.items()}
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--memory-child":
-        folder, size, batch, workers, repeat, out, layer = sys.argv[2:9]
-        memory_child(folder, int(size), int(batch), int(workers), int(repeat), out, layer)
+        folder, size, batch, workers, repeat, out, layer, allocator = sys.argv[2:10]
+        memory_child(folder, int(size), int(batch), int(workers), int(repeat), out, layer, allocator)
     else:
         main()

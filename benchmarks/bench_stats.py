@@ -1,13 +1,17 @@
 """The cost of `layertap.stats` over the plain forward on resnet50 (CPU, random weights).
 
-Per round, one batch goes through: the plain forward under no_grad (the baseline), `stats` of
-the 4 stages, `stats` of every leaf module (the default: 126 modules, 158 rows since the
-ReLUs of each block run 3 times), and every leaf with per-channel output and a 64-bin histogram.
+Per round, one batch goes through: the plain forward under inference_mode (the baseline),
+`stats` of the 4 stages, of every Conv2d and BatchNorm2d (106 maps), of every leaf module (the
+default: 126 modules, 158 rows since the ReLUs of each block run 3 times), and every leaf with
+per-channel output and a 64-bin histogram.
 The methods run interleaved in one process, round after round; the ratio of minimum times is
 reported, since this shared 2-core machine is noisy: wall time, and the process's CPU time
 (both threads), which other processes disturb less.
 
-Run: python benchmarks/bench_stats.py [--rounds 15] [--batch 4] [--size 224]
+The allocator matters (`layertap.allocator`): by default both settings run, each in a child
+process (see ``allocators.py``).
+
+Run: python benchmarks/bench_stats.py [--rounds 15] [--batch 8] [--size 224] [--allocator both]
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import statistics
 import time
 from collections.abc import Callable
 
+import allocators
 import torch
 import torchvision
+from torch import nn
 
 import layertap
 
@@ -28,23 +34,29 @@ STAGES = ["layer1", "layer2", "layer3", "layer4"]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
+    allocators.add_option(parser)
     args = parser.parse_args()
+    if not allocators.start(args):
+        return
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().eval()
     batch = [torch.randn(args.batch, 3, args.size, args.size)]
 
+    convbn = layertap.select(model, [nn.Conv2d, nn.BatchNorm2d])
+
     def forward() -> None:
-        with torch.no_grad():
+        with torch.inference_mode():
             model(batch[0])
 
     methods: dict[str, Callable[[], object]] = {
         "plain forward": forward,
-        "stats, 4 stages": lambda: layertap.stats(model, batch, STAGES),
-        "stats, every leaf": lambda: layertap.stats(model, batch),
-        "  + per-channel, 64 bins": lambda: layertap.stats(model, batch, per_channel=True, histogram_bins=64),
+        "stats, 4 stages": lambda: layertap.stats(model, batch, STAGES, progress=False),
+        "stats, every Conv2d+BN": lambda: layertap.stats(model, batch, convbn, progress=False),
+        "stats, every leaf": lambda: layertap.stats(model, batch, progress=False),
+        "  + per-channel, 64 bins": lambda: layertap.stats(model, batch, per_channel=True, histogram_bins=64, progress=False),
     }
     rows = {name: len(fn()) if name != "plain forward" else 0 for name, fn in methods.items()}  # warm-up
     wall: dict[str, list[float]] = {name: [] for name in methods}
@@ -68,6 +80,7 @@ def main() -> None:
             f"{name:26} {rows[name] or '-':>5} {min(ts):7.3f} {statistics.median(ts):9.3f} {min(ts) / base:6.2f} "
             f"{min(cs):10.3f} {min(cs) / base_cpu:10.2f}"
         )
+    allocators.save(args, {name: min(ts) for name, ts in wall.items()})
 
 
 if __name__ == "__main__":

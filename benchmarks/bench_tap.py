@@ -4,7 +4,13 @@ Methods run interleaved in one process, round after round; the ratio of minimum 
 reported (this noisy 2-core machine needs minima). Correctness counts, per method, the captured
 layers that differ from a trusted clone-in-the-hook reference.
 
-Run: python benchmarks/bench_tap.py [--rounds 15] [--batch 8] [--size 224]
+The C allocator is set for the whole process and for good (`layertap.allocator`), so the
+measurement runs in a child process per setting: ``--allocator default`` (glibc as it comes),
+``tuned`` (`layertap.tune_allocator` first, as the ``layertap`` command does), or ``both``, the
+default: the two children one after the other, each table with its ratios to the plain forward
+under the same allocator, then the tuned/default ratio of each method's minimum.
+
+Run: python benchmarks/bench_tap.py [--rounds 15] [--batch 8] [--size 224] [--allocator both]
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import allocators
 import torch
 import torchvision
 from torch import nn
@@ -40,7 +47,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
+    allocators.add_option(parser)
     args = parser.parse_args()
+    if not allocators.start(args):
+        return
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().eval()
@@ -154,6 +164,7 @@ def main() -> None:
     print(f"layertap (d) / FX truncated at layer2: {min(times['layertap (d) layer2 stop_early']) / fx2:.2f}x")
     print(f"FX trace time: 4 stages {fx_trace_stages:.2f} s, layer2 {fx_trace_layer2:.2f} s, Conv+BN {fx_trace_convbn:.2f} s")
     print(f"layertap setup+teardown for {len(convbn)} layers: {min(setup) * 1e3:.2f} ms (min of 20)")
+    allocators.save(args, {name: min(values) for name, values in times.items()})
 
 
 if __name__ == "__main__":

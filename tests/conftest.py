@@ -5,6 +5,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("LAYERTAP_ALLOCATOR", "default")  # in-process CLI runs leave the pytest process's allocator alone
 
 
 @pytest.fixture(autouse=True)

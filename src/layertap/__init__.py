@@ -8,6 +8,7 @@
 """
 
 from . import attention, cam, rollout
+from .allocator import tune_allocator
 from .dataset import extract_dataset
 from .errors import (
     ArgumentError,
@@ -36,12 +37,17 @@ from .stats import LayerStats, StatsTable, stats
 from .store import FeatureStore, open_features
 from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
+from .watch import Watch, WatchWarning, watch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "stats",
     "StatsTable",
+    "tune_allocator",
+    "watch",
+    "Watch",
+    "WatchWarning",
     "LayerStats",
     "find_nonfinite",
     "build_report",

@@ -24,7 +24,6 @@ How it stays as fast as the model and as small as one batch:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import hashlib
 import itertools
@@ -41,6 +40,7 @@ import torch
 from torch import nn
 
 from . import nested
+from .allocator import HeapTrimmer
 from .controls import Reduce, reducer
 from .data import Batch, DataSource, Failure, OnError, open_data
 from .distributed import Processes, job, launched, rank_device
@@ -221,33 +221,6 @@ class _Chunk:
         self.count += 1
 
 
-class _HeapTrimmer:
-    """Hands the C heap's free memory back to the system (glibc on Linux; elsewhere a no-op)
-    after every ``every`` bytes of features that went through the writer.
-
-    Batches of features are allocated by the model's thread and freed by the writer's, among the
-    codec's buffers; glibc keeps such freed memory, fragmented, and the process would creep up
-    to a plateau well above its working size. A trim costs a few ms and holds the heap's lock,
-    so it is done per amount of data, not per batch (Dask's workers trim the same way).
-    """
-
-    EVERY = 16 << 20
-
-    def __init__(self) -> None:
-        self.since = 0
-        self.trim: Callable[[int], Any] | None
-        try:
-            self.trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            self.trim = None
-
-    def __call__(self, nbytes: int) -> None:
-        self.since += nbytes
-        if self.trim is not None and self.since >= self.EVERY:
-            self.trim(0)
-            self.since = 0
-
-
 class _Sink:
     """Writes features from a background thread: rows go into whole chunks, chunks onto disk.
 
@@ -264,7 +237,7 @@ class _Sink:
         self.error: BaseException | None = None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.idle = threading.Semaphore(1)
-        self.trim = _HeapTrimmer()
+        self.trim = HeapTrimmer()
         self.thread = threading.Thread(target=self._run, name="layertap-writer", daemon=True)
         self.thread.start()
 

@@ -33,6 +33,19 @@ How values are kept correct and cheap:
   never copied again. Tensors made under ``torch.inference_mode()`` have no version counter,
   so there every shared value is copied: run taps under ``torch.no_grad()`` for the cheaper
   path. So is a call outside a forward of the tapped model (a submodule called on its own).
+- Copies reuse memory. A tap kept open, or re-entered batch after batch, would otherwise
+  allocate every copy anew at each forward (680 MB for every conv and BN of a resnet50 at batch
+  8 under inference_mode), memory the allocator may hand back and fault in again. So when a
+  value replaces one of the tap's own copies (``keep="last"``), or ``clear()`` drops them, each
+  copy that nothing else holds (not the tensor, nor a view, NumPy array, storage, autograd graph
+  or shared memory of it, nor a container around it) goes to a per-tap pool by shape, strides,
+  dtype and device, and a later copy of a tensor that fits is written into it instead of a new
+  one: a layer's value lands in the memory of its previous one. A value the caller keeps is
+  never written; it just costs a new copy. The pool takes what a forward of the model, or
+  ``clear()`` inside the ``with`` block, drops; each forward's start frees what waited a whole
+  forward untaken, so it holds at most two forwards' copies; it is emptied when the hooks go.
+  Stored values stay, so a tap re-entered per batch still reuses them. Cost: a few reference
+  counts read per replaced tensor. Reductions, casts and moves allocate as before.
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
   `TapError` naming the layer, with the original error chained.
 
@@ -63,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -107,6 +121,29 @@ _OP_NAMES: dict[Any, str] = {}
 # > 0 while a layertap hook (and the observe=/edit= it calls) runs: a child's hooks run inside its
 # parent's forward, and what they compute is not the parent's op
 _IN_HOOK = [0]
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int, int, bool] | None:
+    """What may hold ``t`` out of Python's sight: references to its C++ tensor (autograd), to its
+    memory (a view, a NumPy array) and to its storage object, and other processes (CPU shared
+    memory; a process that sends CUDA memory must keep it, says torch.multiprocessing). None
+    where this PyTorch cannot tell (the counts are private API): then nothing is reused."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or not hasattr(t, "_use_count"):
+        return None
+    storage = t.untyped_storage()
+    return t._use_count(), use_count(storage._cdata), sys.getrefcount(storage), t.is_cpu and storage.is_shared()
+
+
+def _refs(holder: Any, key: Any) -> int:
+    """The references to ``holder[key]``, counted the same way wherever this is called."""
+    return sys.getrefcount(holder[key])
+
+
+# what the two checks read for a tensor held by one container only, measured, not assumed: the
+# counts differ between PyTorch and Python versions
+_ALONE = _holders(torch.empty(1))
+_ALONE_REFS = _refs([object()], 0)
 
 
 def _hook_work(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -280,6 +317,14 @@ class _Store:
         """The value stored for call ``index`` (another replica's part of the same call)."""
         return next((v for i, v, _ in self.entries.get(name, ()) if i == index), None)
 
+    def pop_replaced(self, name: str, index: int) -> tuple[int, Any, list] | None:
+        """Remove and return the entry that a value of call ``index`` would replace."""
+        kept = self.entries.get(name)
+        if self.keep != "last" or not kept or index < kept[0][0]:
+            return None
+        del self.entries[name]
+        return kept[0]
+
     def put(self, name: str, index: int, value: Any, guards: list) -> None:
         kept = self.entries.get(name)
         if kept is None:
@@ -386,6 +431,11 @@ class Tap(Mapping):
         # is a property of the model's code.
         self._copy: dict[tuple[str, str, int], bool | None] = {}
         self._pending: list[tuple[tuple[str, str, int], torch.Tensor, int]] = []
+        # the copies this tap made (by id), and the pool of those it dropped, by what fits them:
+        # dropped since the running forward began, and before (freed when the next one begins)
+        self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self._stale: dict[tuple, list[torch.Tensor]] = {}
         # ids of the tensors the running forward was given, whose grad_input hooks must not
         # outlive the tap (None: grad_input is not captured)
         self._given: set[int] | None = set() if "grad_input" in kinds else None
@@ -453,6 +503,7 @@ class Tap(Mapping):
         self._given_hooks.clear()
         self._pending.clear()
         self._start = None
+        self._pool, self._stale = {}, {}
         if self._restore is not None:
             self._restore.close()
             self._restore = None
@@ -460,7 +511,11 @@ class Tap(Mapping):
     def clear(self) -> None:
         """Forget every captured value and restart call counting (for ``keep='all'``)."""
         for store in self._stores.values():
+            dropped = [entry for kept in store.entries.values() for entry in kept]
             store.entries.clear()
+            if self._restore is not None:  # the pool lives with the hooks
+                for entry in dropped:
+                    self._release(entry, 1)
         self._calls.clear()
         self._order.clear()
         self._fired.clear()
@@ -530,6 +585,7 @@ class Tap(Mapping):
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._fired.clear()
+        self._pool, self._stale = {}, self._pool  # what waited a whole forward untaken is freed
         if self._learns:
             self._start = self._calls.copy()
         if self._given is not None:
@@ -723,6 +779,13 @@ class Tap(Mapping):
         store = self._stores[kind]
         if not store.wants(name, index):
             return
+        if part is None and self._start is not None:
+            # the value this call replaces is dropped first, so that its copies can take the new
+            # one; only inside a forward of the model, as the next forward frees what the pool
+            # did not need (start is None elsewhere, and for a tap that never copies)
+            replaced = store.pop_replaced(name, index)
+            if replaced is not None:
+                self._release(replaced, 1)
         guards: list = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -733,7 +796,7 @@ class Tap(Mapping):
             # no version counter to watch under inference_mode, and no call position to learn
             # for outside a forward of the model: copy
             if start is None or t.is_inference():
-                return out.clone()
+                return self._copy_of(out)
             position = index - start.get(name if part is None else (name, part), 0)
             key = (kind, name, position)
             try:
@@ -747,9 +810,37 @@ class Tap(Mapping):
                 return out
             if copy is None:
                 self._pending.append((key, t, t._version))
-            return out.clone()
+            return self._copy_of(out)
 
         self._put(store, name, index, nested.map_leaves(keep, value), guards, part)
+
+    def _copy_of(self, out: torch.Tensor) -> torch.Tensor:
+        """The tap's own copy of ``out``: in a pooled buffer that fits, if any (see the module docstring)."""
+        # a subclass, a tensor in a graph, a nested or sparse one: cloned as before
+        if type(out) is not torch.Tensor or out.requires_grad or out.is_nested or out.layout != torch.strided:
+            return out.clone()
+        # the buffer is what clone() would make: strides are preserved, an inference tensor under inference_mode
+        fit = (out.shape, out.stride(), out.dtype, out.device, torch.is_inference_mode_enabled())
+        buffers = self._pool.get(fit) or self._stale.get(fit)  # the last dropped first: its own, in place
+        copy = buffers.pop().copy_(out) if buffers else out.clone()
+        self._made[id(copy)] = copy
+        return copy
+
+    def _release(self, holder: Any, key: Any) -> None:
+        """Pool the tap's copies in ``holder[key]`` that nothing else holds, directly or through a container."""
+        if _refs(holder, key) != _ALONE_REFS:
+            return
+        value = holder[key]
+        if isinstance(value, torch.Tensor):
+            if self._made.get(id(value)) is value and not value.requires_grad and _ALONE is not None and _holders(value) == _ALONE:
+                fit = (value.shape, value.stride(), value.dtype, value.device, value.is_inference())
+                self._pool.setdefault(fit, []).append(value)
+        elif isinstance(value, (tuple, list)):  # last leaf first, so that each leaf takes its own back
+            for i in reversed(range(len(value))):
+                self._release(value, i)
+        elif isinstance(value, dict):
+            for k in reversed(value):
+                self._release(value, k)
 
     def _watch_grads(self, kind: Kind, name: str, index: int, value: Any, part: int | None = None) -> Any:
         """Register gradient hooks on the tensors of ``value``; returns it (maybe with new leaves)."""

@@ -16,7 +16,7 @@ from ..features import place_model
 from ..images import find_images, load_image, model_view
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
-from .core import app, typer
+from .core import app, own_allocator, typer
 from .options import HEATMAPS, arch_option, check_method, model_argument, parse_shape, trust_option
 
 
@@ -126,6 +126,7 @@ def cam(
 
     Example: layertap cam layertap:shapes ./images --method gradcam --out heatmaps
     """
+    own_allocator()
     mean_values, std_values = _floats(mean, "'--mean'"), _floats(std, "'--std'")
     if size is not None and len(size) != 2:
         raise typer.BadParameter("give the input size as H,W, e.g. 224,224", param_hint="'--size'")

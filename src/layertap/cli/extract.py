@@ -14,7 +14,7 @@ from ..distributed import launched
 from ..loading import load_model
 from ..store import FORMATS, Location, location, url_fs
 from ..units import human_bytes
-from .core import app, typer
+from .core import app, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
 DTYPES = ("float32", "float16", "float64")
@@ -73,6 +73,7 @@ def extract(
 
     Example: layertap extract torchvision:resnet50 ./images --layers avgpool --layers layer3 --reduce mean --out feats.zarr
     """
+    own_allocator()
     _choice(reduce, REDUCTIONS, "--reduce")
     _choice(format, FORMATS, "--format")
     _choice(dtype, DTYPES, "--dtype")

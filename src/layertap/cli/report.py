@@ -10,7 +10,7 @@ from ..loading import load_model
 from ..report import build_report
 from ..report.projection import PROJECTIONS
 from ..store import is_url, location
-from .core import app, typer
+from .core import app, own_allocator, typer
 from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
 
 
@@ -54,6 +54,7 @@ def report(
 
     Example: layertap report ./features.zarr --out report.html
     """
+    own_allocator()
     if arch is not None and model is None:
         raise typer.BadParameter("--arch names the architecture of a --model state-dict file: give --model too", param_hint="'--arch'")
     where = location(store)

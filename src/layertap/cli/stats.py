@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..loading import load_model
 from ..stats import stats as layer_stats
-from .core import app, typer
+from .core import app, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
 
@@ -35,6 +35,7 @@ def stats(
 
     Example: layertap stats layertap:shapes ./images --layers 'features.*' --per-channel
     """
+    own_allocator()
     if bins == 1:
         raise typer.BadParameter("a histogram needs at least 2 bins (or 0 for none)", param_hint="'--bins'")
     net = load_model(model, arch=arch, trust=trust)
