@@ -586,14 +586,15 @@ def _merge(summaries: dict[Any, Summary], key: Any, summary: Summary) -> None:
     summaries[key] = summaries[key].merge(summary) if key in summaries else summary
 
 
-def _merge_ranks(summaries: dict[tuple[str, int], Summary]) -> dict[tuple[str, int], Summary]:
-    """Every rank's summaries merged, on every rank, when torch.distributed runs several ranks."""
+def merge_ranks(summaries: dict[Any, Summary]) -> dict[Any, Summary]:
+    """Every rank's summaries merged, on every rank, when torch.distributed runs several ranks
+    (a few numbers per layer travel)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return summaries
     local = {key: nested.map_leaves(lambda t: t.cpu(), s) for key, s in summaries.items()}
     gathered = Processes(dist.get_rank(), dist.get_world_size()).gather(local)  # a few numbers per layer
-    merged: dict[tuple[str, int], Summary] = {}
+    merged: dict[Any, Summary] = {}
     for part in gathered:
         for key, summary in part.items():
             _merge(merged, key, summary)
@@ -665,7 +666,7 @@ def stats(
             run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
             taps.clear()  # `call` restarts: a row is a call position within one forward
             bar.update(len(batch))
-    summaries = _merge_ranks(summaries)
+    summaries = merge_ranks(summaries)
     repeated = {layer for layer, call in summaries if call > 0}
     modules = named_layers(model)
     rows = {}
@@ -691,6 +692,7 @@ __all__ = [
     "LayerStats",
     "leaf_layers",
     "summarize",
+    "merge_ranks",
     "Summary",
     "Moments",
     "Histogram",

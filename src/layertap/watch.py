@@ -72,7 +72,7 @@ from . import nested
 from .distributed import Processes
 from .errors import ArgumentError, LayertapError, MissingExtraError, require
 from .select import Layers, named_layers, owner, select
-from .stats import LayerStats, Summary, leaf_layers, summarize
+from .stats import LayerStats, Summary, leaf_layers, merge_ranks, summarize
 from .tap import Tap, tap
 
 
@@ -580,7 +580,7 @@ class Watch:
             self._hook.remove()
             self._hook = None
         self._stop_tap()
-        summaries, self._summaries = _merge_ranks(self._summaries), {}
+        summaries, self._summaries = merge_ranks(self._summaries), {}
         records = self._records(summaries)
         if not records:  # no forward ran in the step (the one that was starting when training ended)
             return
@@ -617,19 +617,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _merge_ranks(summaries: dict[Any, Summary]) -> dict[Any, Summary]:
-    """Every rank's summaries merged, on every rank (a few numbers per layer travel)."""
-    rank, world = _rank_world()
-    if world == 1:
-        return summaries
-    local = {key: nested.map_leaves(lambda t: t.cpu(), s) for key, s in summaries.items()}
-    merged: dict[Any, Summary] = {}
-    for part in Processes(rank, world).gather(local):
-        for key, s in part.items():
-            merged[key] = merged[key].merge(s) if key in merged else s
-    return merged
 
 
 def watch(
