@@ -27,7 +27,8 @@ test: $(STAMP)
 # the tests that compare numbers, again with MKL's portable kernels and one thread: an assertion
 # that holds only for one CPU's kernels or one thread count fails here (CI runs it)
 NUMERIC_TESTS := tests/test_parity.py tests/test_features.py tests/test_dataset.py tests/test_store.py \
-	tests/test_stats.py tests/test_cli_stats.py tests/test_crash_resume.py tests/test_cam.py tests/test_tap.py
+	tests/test_stats.py tests/test_cli_stats.py tests/test_crash_resume.py tests/test_cam.py tests/test_tap.py \
+	tests/test_watch.py tests/test_tap_reuse.py
 numerics: $(STAMP)
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NUMERIC_TESTS)
 
