@@ -14,16 +14,16 @@ How the numbers are made:
 - Each tapped tensor is summarised inside the hook, as soon as the layer has run (before an
   in-place op can change it), and only the summary is kept: the tap hands it over through
   ``observe=`` and neither stores nor copies it, so memory does not grow with the data.
-- The cost is memory traffic, not arithmetic: a summary reads each map three times (min and
-  max, the moments, the zeros) and copies none of it. The moments of each (sample, channel) row
-  of a ``[N, C, H, W]`` map come centred from one fused kernel (group normalization with a group
-  per channel, whose output is discarded), in the map's dtype; half precision is summed in
-  float32. Token and feature maps (``[..., C]``) are summed in rows of ~32 values and squared
-  sums, with the channels whose mean dwarfs their spread summed again centred. Everything past a
-  row is float64. Against numpy in float64: mean and std within 1e-6 relative, or 1e-8 of the
-  largest magnitude for a mean near 0; min, max and counts exact (``tests/test_stats.py``, every
-  layout and dtype). Maps of fewer than 65,536 values are summed in float64 outright; a map
-  holding NaN or Inf takes a masked float64 copy (slower, and rare).
+- The cost is memory traffic, not arithmetic. A ``[N, C, H, W]`` map (of 2**18 values or more)
+  is read three times (min and max, the moments, the zeros) and never copied: the moments of
+  each (sample, channel) row come centred from one fused kernel (group normalization with a
+  group per channel, whose output is discarded), in the map's dtype (half precision in
+  float32), and are merged in float64. Token and feature maps (``[..., C]``) and smaller maps
+  are copied to float64 once, whose per-channel moments come centred from batch
+  normalization's statistics kernel. Against numpy in float64: mean and std within 1e-6
+  relative, or 1e-8 of the largest magnitude for a mean near 0; min, max and counts exact
+  (``tests/test_stats.py``, every layout and dtype). A map holding NaN or Inf takes a masked
+  float64 copy (slower, and rare).
 - Calls, batches and ``torchrun`` ranks are merged in float64 with the pairwise update of Chan,
   Golub and LeVeque (Welford's for two groups), in any order and without the cancellation of a
   sum-of-squares formula. ``std`` is the population standard deviation (``ddof=0``, like
@@ -47,7 +47,6 @@ How the numbers are made:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -208,13 +207,6 @@ def _by_channel(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return t.reshape(-1, 1), (0,)
 
 
-@functools.lru_cache(maxsize=256)
-def _chunk(length: int) -> int:
-    """The row length for ``length`` values: a divisor of it near 32, else ``length`` itself."""
-    near = [d for d in range(4, min(length, 256) + 1) if length % d == 0]
-    return min(near, key=lambda d: abs(math.log(d / 32))) if near else length
-
-
 def _map_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel of a contiguous ``[N, C, ...]`` map, in float64: mean and sum of squared
     deviations. Group normalization with a group per channel is one fused kernel that reads each
@@ -228,43 +220,19 @@ def _map_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, m2s.sum(dim=0) + (means - mean).square_().sum(dim=0) * length
 
 
-def _sums(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel of a ``[rows, row length, C]`` view, in float64: the sum of the values and of
-    their squares, each row summed in the view's dtype."""
-    total = view.sum(dim=1).double().sum(dim=0)
-    squares = torch.linalg.vector_norm(view, dim=1).double().square_().sum(dim=0)
-    return total, squares
-
-
 def _feature_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_map_moments` for ``[..., C]`` (tokens, features: the channel is the last dim), from the
-    sums of rows of ~32 values of a channel and of their squares.
-
-    When a channel's mean is large beside its spread, sum(x**2) - n * mean**2 cancels. Measured,
-    its relative error stays under eps * (1 + n * mean**2 / m2) * g, where g = 2.2 / sqrt(rows
-    per channel) + 0.006 * row length**0.6: the rounding of each row's sum, then its growth
-    along the row. Channels where twice that could pass _TOLERANCE are summed again from their
-    values minus the float-rounded mean (the two-pass formula, for those channels only).
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    step = _chunk(len(flat))
-    total, squares = _sums(flat.view(-1, step, flat.shape[1]))
-    n = len(flat)
-    mean = total / n
-    m2 = squares - total * mean
-    error = 2 * torch.finfo(x.dtype).eps * (2.2 / math.sqrt(n / step) + 0.006 * step**0.6)
-    shaky = torch.nonzero(n * mean.square() > (_TOLERANCE / error - 1) * m2).flatten()
-    if len(shaky):
-        centre = mean[shaky].to(x.dtype)
-        centred = flat.index_select(1, shaky).sub_(centre)
-        shift, squares = _sums(centred.view(-1, step, len(shaky)))
-        mean[shaky] = centre.double() + shift / n
-        m2[shaky] = squares - shift * (shift / n)
-    return mean, m2
+    """`_map_moments` for ``[..., C]`` (tokens, features: the channel is the last dim), from a
+    float64 copy: reducing along the rows of a float32 ``[R, C]`` view is slow and its sums of
+    squares cancel, while batch normalization's statistics kernel gives the centred moments of a
+    float64 one in a pass (for a handful of channels, which it serves badly, two plain passes)."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    if flat.shape[1] >= 8:
+        mean, var = torch.batch_norm_update_stats(flat, None, None, 0.0)
+        return mean, var * len(flat)
+    mean = flat.mean(dim=0)
+    return mean, flat.sub_(mean).square_().sum(dim=0)
 
 
-_TOLERANCE = 1e-6  # relative, on m2: 5e-7 on the std, half the bound the tests hold
-_SMALL = 1 << 16  # fewer values than this are summed in float64 outright: it costs nothing
 # group normalization splits even a tiny map among the threads, whose wake-up (milliseconds on a
 # busy machine) would then dwarf the work: smaller maps are summed as features
 _FUSED = 1 << 18
@@ -274,14 +242,12 @@ def summarize(t: torch.Tensor, bins: int = 0) -> Summary | None:
     """The statistics of one real floating-point tensor, on its own device.
 
     ``None`` for an empty or complex tensor. ``bins > 0`` adds a histogram of the finite values.
-    Three reads of the tensor and no copy of it in the usual case (see the module docs).
+    Three reads of a large ``[N, C, H, W]`` map and no copy of it (see the module docs).
     """
     if t.numel() == 0 or t.is_complex():
         return None
     x = t.detach()
-    if x.numel() < _SMALL:
-        x = x.double()
-    elif x.dtype not in (torch.float32, torch.float64):
+    if x.dtype not in (torch.float32, torch.float64):
         x = x.float()  # float16 and bfloat16 values are exact in float32
     if x.dim() < 2:
         x = x.reshape(-1, 1)  # one channel
