@@ -34,8 +34,8 @@ in a hundred tell nearly all there is to know. The rule:
   the pre-hook are removed, the summaries merged (over ``torchrun`` ranks, whose steps must go
   in lockstep, as DDP's do) and handed to the sinks and the alerts.
 
-The numbers are `layertap.stats`'s: the same `layertap.stats.summarize` (four reads of each
-tensor, no copy), merged in float64 by the same Chan updates, so count, mean, std (``ddof=0``),
+The numbers are `layertap.stats`'s: the same `layertap.stats.summarize` (three reads of a
+convolutional map, no copy), merged in float64 by the same Chan updates, so count, mean, std (``ddof=0``),
 min and max over finite values, the fractions of zeros, NaN and Inf, and dead channels (exactly
 0 in the whole step). Every forward of a sampled step counts (micro-batches of gradient accumulation
 merge), and a module called several times per forward gets one row per call position
@@ -44,7 +44,7 @@ output; for a nested output, the gradients of all of its tensors merge. Under ``
 they are the scaled gradients.
 
 The cost (``benchmarks/bench_watch.py``, resnet18 training step, every leaf module, 2 CPU
-cores): a sampled step 1.3-1.4x a plain one, an unsampled step 1.00x, so 1.01x per step with
+cores): a sampled step 1.4-1.5x a plain one, an unsampled step 1.00x, so 1.01x per step with
 ``every=100``. Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
 ``f(step, records)``. Alerts (`Alerts`) go to ``warnings`` as `WatchWarning`, or to
 ``on_alert=f(alert)``. For Lightning and Hugging Face: `LightningWatch` and `HFWatch`, made
