@@ -8,7 +8,7 @@ STAMP := $(VENV)/.layertap-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/layertap/_moments.c src/layertap/_moments_f32.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pinned torch first: these builds lie on the machine's disk; pip takes them from there
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
@@ -28,7 +28,7 @@ test: $(STAMP)
 # that holds only for one CPU's kernels or one thread count fails here (CI runs it)
 NUMERIC_TESTS := tests/test_parity.py tests/test_features.py tests/test_dataset.py tests/test_store.py \
 	tests/test_stats.py tests/test_cli_stats.py tests/test_crash_resume.py tests/test_cam.py tests/test_tap.py \
-	tests/test_watch.py tests/test_tap_reuse.py
+	tests/test_watch.py tests/test_tap_reuse.py tests/test_moments.py
 numerics: $(STAMP)
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q $(NUMERIC_TESTS)
 

@@ -1,5 +1,7 @@
 """Streaming layer statistics, checked against NumPy over the concatenated activations."""
 
+import functools
+import importlib
 import json
 import socket
 
@@ -14,9 +16,11 @@ from torch import nn
 import layertap
 from layertap.stats import Histogram, summarize
 
+stats_module = importlib.import_module("layertap.stats")  # the module, not the function it exports
+
 RTOL = 1e-6  # the issue's bound
-# float32 maps are summed in float32 within rows of ~128 values, in float64 beyond: a mean near 0
-# is exact to ~1e-10 of the values' magnitude, not to float64's 1e-16
+# float32 maps may be summed in float32 a few (centred) values at a time, in float64 beyond: a mean
+# near 0 is exact to ~1e-10 of the values' magnitude, not to float64's 1e-16
 ATOL = 1e-8
 
 
@@ -281,10 +285,25 @@ LAYOUTS = {
 }
 
 
+# every way a map can be read: PyTorch's kernels, and each of the C kernels this CPU can run
+READERS = ["pytorch", *(stats_module._moments.KERNELS if stats_module._moments else ())]
+
+
+@pytest.fixture(params=READERS)
+def reader(request, monkeypatch):
+    """``summarize`` reading maps the ``request.param`` way."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(stats_module, "_moments", None)
+    else:
+        kernel = stats_module._moments.KERNELS.index(request.param)
+        monkeypatch.setattr(stats_module, "_read_once", functools.partial(stats_module._read_once, kernel=kernel))
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_summarize_matches_numpy_in_every_layout_and_dtype(layout):
-    # float32 rows are summed in float32 and a channel whose mean dwarfs its spread is summed
-    # again centred: the mean-1e6x-the-spread case would lose every digit of the std otherwise
+def test_summarize_matches_numpy_in_every_layout_and_dtype(layout, reader):
+    # the float32 vector kernels sum a few centred values at a time in float32, and PyTorch's
+    # group normalization whole rows: the mean-1e6x-the-spread case tells if one does not centre
     torch.manual_seed(5)
     t = LAYOUTS[layout]()
     summary = summarize(t, bins=16)

@@ -14,15 +14,18 @@ How the numbers are made:
 - Each tapped tensor is summarised inside the hook, as soon as the layer has run (before an
   in-place op can change it), and only the summary is kept: the tap hands it over through
   ``observe=`` and neither stores nor copies it, so memory does not grow with the data.
-- The cost is memory traffic, not arithmetic. A ``[N, C, H, W]`` map (of 2**18 values or more)
-  is read three times (min and max, the moments, the zeros) and never copied: the moments of
-  each (sample, channel) row come centred from one fused kernel (group normalization with a
-  group per channel, whose output is discarded), in the map's dtype (half precision in
-  float32), and are merged in float64. Token and feature maps (``[..., C]``) and smaller maps
-  are copied to float64 once, whose per-channel moments come centred from batch
-  normalization's statistics kernel. Against numpy in float64: mean and std within 1e-6
-  relative, or 1e-8 of the largest magnitude for a mean near 0; min, max and counts exact
-  (``tests/test_stats.py``, every layout and dtype). A map holding NaN or Inf takes a masked
+- The cost is memory traffic, not arithmetic. On the CPU, a map is read from memory once, by
+  layertap's C kernel (``_moments.c``, built with the package): block by block in the L1 cache,
+  one pass for min, max, zeros and a rough mean, a second over the cached block for the centred
+  sums, merged in float64 (Chan). It runs on PyTorch's own threads. Sums are float64, except on
+  x86 vector units (AVX2, AVX-512), where float32 lanes hold a few centred values each before
+  they join float64 sums. Elsewhere (a GPU, or where the package was built without a C
+  compiler with OpenMP) PyTorch's kernels read a large ``[N, C, H, W]`` map three times (min
+  and max; centred moments per (sample, channel) row from group normalization, whose output is
+  discarded; the zeros), and copy token and feature maps (``[..., C]``) to float64 once.
+  Against numpy in float64, every way: mean and std within 1e-6 relative, or 1e-8 of the
+  largest magnitude for a mean near 0; min, max and counts exact (``tests/test_stats.py``,
+  every layout and dtype; ``tests/test_moments.py``). A map holding NaN or Inf takes a masked
   float64 copy (slower, and rare).
 - Calls, batches and ``torchrun`` ranks are merged in float64 with the pairwise update of Chan,
   Golub and LeVeque (Welford's for two groups), in any order and without the cancellation of a
@@ -67,6 +70,11 @@ from .progress import progress_bar
 from .select import Layers, named_layers, owner, select
 from .tables import Table, number, sparkline
 from .tap import tap
+
+try:  # the one-read kernel, compiled with the package; where it could not be, PyTorch's kernels
+    from . import _moments
+except ImportError:
+    _moments = None  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------- mergeable pieces
@@ -215,7 +223,7 @@ def _map_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, c = x.shape[:2]
     length = x[0, 0].numel()
     _, means, rstd = torch.ops.aten.native_group_norm(x, None, None, n, c, length, c, 0.0)
-    means, m2s = means.double(), rstd.double().pow_(-2).mul_(length)  # rstd = 1 / sqrt(variance)
+    means, m2s = means.double().view(n, c), rstd.double().pow_(-2).mul_(length).view(n, c)  # rstd = 1 / sqrt(variance)
     mean = means.mean(dim=0)
     return mean, m2s.sum(dim=0) + (means - mean).square_().sum(dim=0) * length
 
@@ -233,16 +241,67 @@ def _feature_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, flat.sub_(mean).square_().sum(dim=0)
 
 
+class _Reading(NamedTuple):
+    """What one reading of a map gives: per-channel mean and M2 (float64), min, max, zeros."""
+
+    mean: torch.Tensor
+    m2: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    zeros: torch.Tensor
+
+
+def _read_once(x: torch.Tensor, kernel: int = 0) -> _Reading | None:
+    """`_Reading` of a CPU float32/float64 map from layertap's C kernel (``_moments.c``): one read
+    of memory, sums in float64, or, on x86 vector units, float32 sums of a few centred values
+    added to float64 ones. ``None`` when it holds NaN or Inf. ``kernel`` indexes
+    ``_moments.KERNELS`` (the CPU's fastest first)."""
+    assert _moments is not None
+    x = x.contiguous()  # channels-last memory is copied once
+    if x.dim() >= 4:  # [N, C, H, W]: the channel's rows are H * W values apart
+        outer, c, inner = x.shape[0], x.shape[1], x[0, 0].numel()
+    else:  # [..., C]
+        c = x.shape[-1]
+        outer, inner = x.numel() // c, 1
+    out = torch.empty(c, 5, dtype=torch.float64)  # mean, M2, min, max, non-zeros
+    # PyTorch's threads (the kernel shares its OpenMP pool), one per 2**15 values at most
+    threads = max(1, min(torch.get_num_threads(), x.numel() >> 15))
+    status = _moments.moments(x.data_ptr(), outer, c, inner, out.data_ptr(), x.dtype == torch.float64, threads, kernel)
+    if status == 0:  # NaN or Inf
+        return None
+    if status == 2:  # a channel's spread under 2**-50: float32 squares of its deviations lose digits
+        return _read_once(x.double())
+    return _Reading(out[:, 0], out[:, 1], out[:, 2].min(), out[:, 3].max(), x.numel() - out[:, 4].sum().long())
+
+
 # group normalization splits even a tiny map among the threads, whose wake-up (milliseconds on a
 # busy machine) would then dwarf the work: smaller maps are summed as features
 _FUSED = 1 << 18
+
+
+def _read_eagerly(x: torch.Tensor) -> _Reading | None:
+    """`_Reading` from PyTorch's own kernels (any device): three reads of a large ``[N, C, H, W]``
+    map, a float64 copy of others. ``None`` when it holds NaN or Inf, or squares beyond its dtype."""
+    lo, hi = (v.double() for v in torch.aminmax(x))
+    low, high = float(lo), float(hi)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    if x.dtype == torch.float32 and max(-low, high) < 2**-50:
+        x = x.double()  # the squares would fall below float32's normal numbers, and lose digits
+    if x.dim() >= 4 and x.numel() >= _FUSED:
+        mean, m2 = _map_moments(x.contiguous())  # channels-last memory is copied once
+    else:
+        mean, m2 = _feature_moments(x.movedim(1, -1) if x.dim() >= 4 else x)
+    if not bool(torch.isfinite(m2).all()):
+        return None
+    return _Reading(mean, m2, lo, hi, x.numel() - torch.count_nonzero(x.bool()))  # bool first: ten times faster
 
 
 def summarize(t: torch.Tensor, bins: int = 0) -> Summary | None:
     """The statistics of one real floating-point tensor, on its own device.
 
     ``None`` for an empty or complex tensor. ``bins > 0`` adds a histogram of the finite values.
-    Three reads of a large ``[N, C, H, W]`` map and no copy of it (see the module docs).
+    One read of a CPU map, three of a large ``[N, C, H, W]`` map on a GPU (see the module docs).
     """
     if t.numel() == 0 or t.is_complex():
         return None
@@ -251,30 +310,22 @@ def summarize(t: torch.Tensor, bins: int = 0) -> Summary | None:
         x = x.float()  # float16 and bfloat16 values are exact in float32
     if x.dim() < 2:
         x = x.reshape(-1, 1)  # one channel
-    lo, hi = (v.double() for v in torch.aminmax(x))
-    low, high = float(lo), float(hi)
-    if not (math.isfinite(low) and math.isfinite(high)):  # NaN or Inf among the values
+    reading = _read_once(x) if _moments is not None and x.device.type == "cpu" else _read_eagerly(x)
+    if reading is None:  # NaN or Inf among the values
         return _summarize_masked(t, bins)
-    if x.dtype == torch.float32 and max(-low, high) < 2**-50:
-        x = x.double()  # the squares would fall below float32's normal numbers, and lose digits
-    if x.dim() >= 4 and x.numel() >= _FUSED:
-        mean, m2 = _map_moments(x.contiguous())  # channels-last memory is copied once
-    else:
-        mean, m2 = _feature_moments(x.movedim(1, -1) if x.dim() >= 4 else x)
-    if not bool(torch.isfinite(m2).all()):  # squares beyond the dtype's range
-        return _summarize_masked(t, bins)
+    mean, m2, lo, hi, zeros = reading
     channels = Moments(torch.full_like(mean, x.numel() // len(mean)), mean, m2.clamp_(min=0))
     return Summary(
         shape=tuple(t.shape),
         count=t.numel(),
         nan=0,
         inf=0,
-        zeros=t.numel() - torch.count_nonzero(x.bool()),  # bool first: ten times faster than on floats
+        zeros=zeros,
         lo=lo,
         hi=hi,
         total=channels.pooled(),
         channels=channels,
-        histogram=Histogram.of(x.reshape(-1), low, high, bins) if bins else None,
+        histogram=Histogram.of(x.reshape(-1), float(lo), float(hi), bins) if bins else None,
     )
 
 

@@ -34,8 +34,8 @@ in a hundred tell nearly all there is to know. The rule:
   the pre-hook are removed, the summaries merged (over ``torchrun`` ranks, whose steps must go
   in lockstep, as DDP's do) and handed to the sinks and the alerts.
 
-The numbers are `layertap.stats`'s: the same `layertap.stats.summarize` (three reads of a
-convolutional map, no copy), merged in float64 by the same Chan updates, so count, mean, std (``ddof=0``),
+The numbers are `layertap.stats`'s: the same `layertap.stats.summarize` (one read of a CPU
+map, no copy), merged in float64 by the same Chan updates, so count, mean, std (``ddof=0``),
 min and max over finite values, the fractions of zeros, NaN and Inf, and dead channels (exactly
 0 in the whole step). Every forward of a sampled step counts (micro-batches of gradient accumulation
 merge), and a module called several times per forward gets one row per call position
