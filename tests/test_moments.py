@@ -84,12 +84,26 @@ def test_a_float32_spread_too_fine_for_its_squares_is_reported(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_float64_maps_and_columns(kernel):
+@pytest.mark.parametrize("rows", [1, 2, 17, 255, 256, 257, 1000])  # around the 256-row block
+def test_columns_of_every_width_match_numpy(kernel, rows):
+    # tokens and features: a channel is a column, a vector's lanes are columns (8 or 16 of them)
+    for width in (1, 3, 8, 15, 16, 17, 33, 769):
+        torch.manual_seed(rows * width)
+        x = (torch.randn(rows, width) * 2 + 3).relu()
+        x[:, width // 2] = 0.0  # a dead column
+        x[0, 0] = -0.0
+        check(moments(x, KERNELS.index(kernel), columns=True)[0], reference(x, columns=True))
+    offset = torch.randn(4000, 7) * 1e-3 + 1e3  # the mean a million times the spread
+    check(moments(offset, KERNELS.index(kernel), columns=True)[0], reference(offset, columns=True))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_float64_maps(kernel):
     torch.manual_seed(2)
     x = torch.randn(4, 7, 300, dtype=torch.float64) * 1e-4 + 7  # float64 takes the portable code
     check(moments(x, KERNELS.index(kernel))[0], reference(x))
-    for columns in (torch.randn(1000, 3) + 1, torch.randn(37, 769) * 0.1 + 5, torch.randn(5, 1)):
-        check(moments(columns, columns=True)[0], reference(columns, columns=True))
+    tokens = torch.randn(37, 769, dtype=torch.float64) * 0.1 + 5
+    check(moments(tokens, KERNELS.index(kernel), columns=True)[0], reference(tokens, columns=True))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -99,7 +113,7 @@ def test_nan_or_inf_anywhere_is_reported(kernel, where, bad):
     x = torch.randn(2, 3, 37)
     x[1, 2, {"first": 0, "middle": 20, "tail": 36}[where]] = bad
     assert moments(x, KERNELS.index(kernel))[1] == 0
-    assert moments(x.reshape(6, 37), columns=True)[1] == 0
+    assert moments(x.reshape(6, 37), KERNELS.index(kernel), columns=True)[1] == 0
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -126,10 +126,12 @@ static void chan(double *out, double n, double count, double bmean, double bm2) 
 
 DEFINE_ROW(row_f32_portable, float)
 DEFINE_ROW(row_f64, double)
-DEFINE_COLUMNS(columns_f32, float)
+DEFINE_COLUMNS(columns_f32_portable, float)
 DEFINE_COLUMNS(columns_f64, double)
-/* the kernels for one channel: `rows` rows of `length` values, `stride` values apart */
+/* the kernels for one channel: `rows` rows of `length` values, `stride` values apart; and for
+   columns [first, last) of a [rows, width] map, with 5 scratch doubles per column */
 typedef void (*ChannelF32)(const float *, int64_t, int64_t, int64_t, double *);
+typedef void (*ColumnsF32)(const float *, int64_t, int64_t, int64_t, int64_t, double *, double *);
 
 /* one channel's rows one after another, merged by row_<T> (float64 sums) */
 #define DEFINE_CHANNEL(NAME, ROW, T)                                                                \
@@ -169,6 +171,19 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #define MAX_M(h, v, k) _mm512_mask_max_ps(h, k, h, v)
 #define NONZEROS_M(v, zero, k) __builtin_popcount(_mm512_mask_cmp_ps_mask(k, v, zero, _CMP_NEQ_UQ))
 #define SUB_M(v, c, k) _mm512_maskz_sub_ps(k, v, c)
+#define COLUMNS_NAME columns_f32_avx512
+#define DIV _mm512_div_ps
+#define STORE _mm512_storeu_ps
+#define IVEC __m512i
+#define IZERO _mm512_setzero_si512()
+#define COUNT(n, v, zero) _mm512_mask_add_epi32(n, _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ), n, _mm512_set1_epi32(1))
+#define ISTORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#define DVEC __m512d
+#define DZERO _mm512_setzero_pd()
+#define DADD _mm512_add_pd
+#define DSTORE _mm512_storeu_pd
+#define WIDEN_LO(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
+#define WIDEN_HI(v) _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 #include "_moments_f32.h"
 #undef NAME
 #undef TARGET
@@ -193,6 +208,19 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #undef MAX_M
 #undef NONZEROS_M
 #undef SUB_M
+#undef COLUMNS_NAME
+#undef DIV
+#undef STORE
+#undef IVEC
+#undef IZERO
+#undef COUNT
+#undef ISTORE
+#undef DVEC
+#undef DZERO
+#undef DADD
+#undef DSTORE
+#undef WIDEN_LO
+#undef WIDEN_HI
 
 /* AVX2: 8 lanes; a lane mask vector for a row's last values; lanes folded in halves */
 #define FOLD256(NAME, OP)                                                                          \
@@ -227,13 +255,30 @@ FOLD256(hmax256, _mm_max_ps)
 #define MAX_M(h, v, k) _mm256_blendv_ps(h, _mm256_max_ps(h, v), k)
 #define NONZEROS_M(v, zero, k) __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), k)))
 #define SUB_M(v, c, k) _mm256_and_ps(_mm256_sub_ps(v, c), k)
+#define COLUMNS_NAME columns_f32_avx2
+#define DIV _mm256_div_ps
+#define STORE _mm256_storeu_ps
+#define IVEC __m256i
+#define IZERO _mm256_setzero_si256()
+#define COUNT(n, v, zero) _mm256_sub_epi32(n, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ)))
+#define ISTORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define DVEC __m256d
+#define DZERO _mm256_setzero_pd()
+#define DADD _mm256_add_pd
+#define DSTORE _mm256_storeu_pd
+#define WIDEN_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
+#define WIDEN_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
 #include "_moments_f32.h"
 #endif
 
 /* float32 channels: the vector kernels this CPU has (best first), then the portable one (float64
    sums); the module's KERNELS names them, and moments() takes any of them (the tests run each) */
-static ChannelF32 kernels[3];
-static const char *kernel_names[3];
+typedef struct {
+    ChannelF32 channel;
+    ColumnsF32 columns;
+    const char *name;
+} Kernel;
+static Kernel kernels[3];
 static int kernel_count = 0;
 
 typedef struct {
@@ -241,20 +286,20 @@ typedef struct {
     double *out, *acc;
     int64_t outer, channels, inner, first, last; /* channels [first, last) */
     int f64;
-    ChannelF32 channel_f32;
+    const Kernel *f32;
 } Job;
 
 static void run(const Job *j) {
     if (j->first >= j->last) return;
     if (j->inner == 1) { /* the channels are the columns of an [outer, C] map */
         if (j->f64) columns_f64(j->x, j->outer, j->channels, j->first, j->last, j->out, j->acc);
-        else columns_f32(j->x, j->outer, j->channels, j->first, j->last, j->out, j->acc);
+        else j->f32->columns(j->x, j->outer, j->channels, j->first, j->last, j->out, j->acc);
         return;
     }
     int64_t stride = j->channels * j->inner; /* between a channel's rows of consecutive samples */
     for (int64_t c = j->first; c < j->last; c++) {
         if (j->f64) channel_f64((const double *)j->x + c * j->inner, j->outer, stride, j->inner, j->out + 5 * c);
-        else j->channel_f32((const float *)j->x + c * j->inner, j->outer, stride, j->inner, j->out + 5 * c);
+        else j->f32->channel((const float *)j->x + c * j->inner, j->outer, stride, j->inner, j->out + 5 * c);
     }
 }
 
@@ -283,7 +328,7 @@ static PyObject *moments(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
         int64_t first = channels * t / threads, last = channels * (t + 1) / threads;
-        jobs[t] = (Job){(const void *)(uintptr_t)data, o, acc ? acc + 5 * first : NULL, outer, channels, inner, first, last, f64, kernels[kernel]};
+        jobs[t] = (Job){(const void *)(uintptr_t)data, o, acc ? acc + 5 * first : NULL, outer, channels, inner, first, last, f64, &kernels[kernel]};
     }
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) run(&jobs[t]);
@@ -302,20 +347,19 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_moments", NULL, -1, methods, NULL, NULL, NULL, NULL};
-static void add_kernel(ChannelF32 kernel, const char *name) {
-    kernels[kernel_count] = kernel;
-    kernel_names[kernel_count++] = name;
+static void add_kernel(ChannelF32 channel, ColumnsF32 columns, const char *name) {
+    kernels[kernel_count++] = (Kernel){channel, columns, name};
 }
 
 PyMODINIT_FUNC PyInit__moments(void) {
 #ifdef X86_KERNELS
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) add_kernel(channel_f32_avx512, "avx512");
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) add_kernel(channel_f32_avx2, "avx2");
+    if (__builtin_cpu_supports("avx512f")) add_kernel(channel_f32_avx512, columns_f32_avx512, "avx512");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) add_kernel(channel_f32_avx2, columns_f32_avx2, "avx2");
 #endif
-    add_kernel(channel_f32_portable, "portable");
+    add_kernel(channel_f32_portable, columns_f32_portable, "portable");
     PyObject *m = PyModule_Create(&module), *names = m ? PyTuple_New(kernel_count) : NULL;
-    for (int k = 0; names && k < kernel_count; k++) PyTuple_SetItem(names, k, PyUnicode_FromString(kernel_names[k]));
+    for (int k = 0; names && k < kernel_count; k++) PyTuple_SetItem(names, k, PyUnicode_FromString(kernels[k].name));
     if (!names || PyModule_AddObject(m, "KERNELS", names) < 0) {
         Py_XDECREF(names);
         Py_XDECREF(m);

@@ -107,3 +107,70 @@ __attribute__((target(TARGET))) static void NAME(const float *x, int64_t rows, i
     out[3] = hi;
     out[4] = (double)nonzero;
 }
+
+/* Columns [first, last) of a float32 [rows, width] map (tokens or features: a channel is a
+   column), LANES columns at a time, one lane each, in blocks of STEP rows: pass 1 reads the
+   block's slice of each row from memory (min, max, non-zeros, rough sums), pass 2 again from L1
+   (STEP lines of 64 bytes) for the deviations from each lane's rough mean, summed in float32 for
+   FLUSH rows and then in float64 lanes. The lanes merge into their columns' results (Chan) once
+   per block. Lanes past `last` load zeros and are never read. */
+#define STEP 256
+__attribute__((target(TARGET))) static void COLUMNS_NAME(const float *x, int64_t rows, int64_t width, int64_t first, int64_t last,
+                                                          double *out, double *scratch) {
+    VEC zero = ZERO;
+    (void)scratch; /* the portable kernel's; the lanes are this one's */
+    for (int64_t j = first; j < last; j += LANES) {
+        int lanes = last - j < LANES ? (int)(last - j) : LANES;
+        MASK_T k = TAIL_MASK(lanes);
+        for (int l = 0; l < lanes; l++) {
+            double *o = out + 5 * (j + l);
+            o[0] = o[1] = o[4] = 0;
+            o[2] = o[3] = x[j + l];
+        }
+        for (int64_t start = 0; start < rows; start += STEP) {
+            int64_t end = start + STEP < rows ? start + STEP : rows, m = end - start;
+            VEC s = ZERO, lo = LOAD_M(x + start * width + j, k), hi = lo;
+            IVEC nonzero = IZERO;
+            for (int64_t r = start; r < end; r++) { /* pass 1, from memory */
+                VEC v = LOAD_M(x + r * width + j, k);
+                s = ADD(s, v);
+                lo = MIN(lo, v);
+                hi = MAX(hi, v);
+                nonzero = COUNT(nonzero, v, zero);
+            }
+            VEC c = DIV(s, SET1((float)m)), dr = ZERO, dq = ZERO;
+            DVEC dr0 = DZERO, dr1 = DZERO, dq0 = DZERO, dq1 = DZERO;
+            for (int64_t r = start; r < end;) { /* pass 2, from L1 */
+                for (int f = 0; f < FLUSH && r < end; f++, r++) {
+                    VEC d = SUB(LOAD_M(x + r * width + j, k), c);
+                    dr = ADD(dr, d);
+                    dq = FMA(d, d, dq);
+                }
+                dr0 = DADD(dr0, WIDEN_LO(dr));
+                dr1 = DADD(dr1, WIDEN_HI(dr));
+                dq0 = DADD(dq0, WIDEN_LO(dq));
+                dq1 = DADD(dq1, WIDEN_HI(dq));
+                dr = dq = ZERO;
+            }
+            float shifts[LANES], los[LANES], his[LANES];
+            int counts[LANES];
+            double sums[LANES], squares[LANES];
+            STORE(shifts, c);
+            STORE(los, lo);
+            STORE(his, hi);
+            ISTORE(counts, nonzero);
+            DSTORE(sums, dr0);
+            DSTORE(sums + LANES / 2, dr1);
+            DSTORE(squares, dq0);
+            DSTORE(squares + LANES / 2, dq1);
+            for (int l = 0; l < lanes; l++) {
+                double *o = out + 5 * (j + l), mean = shifts[l] + sums[l] / (double)m;
+                chan(o, (double)start, (double)m, mean, squares[l] - sums[l] * sums[l] / (double)m);
+                o[2] = los[l] < o[2] ? los[l] : o[2];
+                o[3] = his[l] > o[3] ? his[l] : o[3];
+                o[4] += counts[l];
+            }
+        }
+    }
+}
+#undef STEP
