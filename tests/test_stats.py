@@ -316,5 +316,34 @@ def test_summarize_matches_numpy_in_every_layout_and_dtype(layout, reader):
     assert (np.histogram(values, edges)[0] == counts).all()
 
 
+# a mean near 0 of a few values: a float32 sum of the values themselves misses it by a rounding of
+# one of them (6e-8 of its size, 6x the tolerance's floor); found by outside testing
+NEAR_ZERO = {
+    "4 samples, 1 value each": torch.tensor([1.0007095336914062, -1.0006883144378662, 1.0019965171813965, -1.0020637512207031]).view(4, 1, 1, 1),
+    "16 values, 1-D": torch.tensor([-0.77075183, 0.48692176, -0.67403924, -0.84250712, -1.21941733, -1.88617623, -1.01055646, 0.80824506,
+                                    1.03505266, 0.08488967, 0.53233737, 0.72818506, 1.10258615, 1.79461133, -1.21008408, 1.07819736]),
+}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 5), (1, 8, 4, 4), (6, 512, 2, 2), (3, 2, 7), (8, 16), (16,), (4, 1, 1, 1)])
+def test_small_maps_with_a_mean_near_zero(shape, reader):
+    gen = torch.Generator().manual_seed(7)
+    maps = [torch.randn(shape, generator=gen) for _ in range(40 if np.prod(shape) < 1000 else 3)]
+    for t in [*maps, *(v for v in NEAR_ZERO.values() if v.dim() == len(shape))]:
+        values = t.double().numpy()
+        check_row(LayerStats_of(summarize(t)), values, 1 if t.dim() >= 4 else t.dim() - 1 if t.dim() >= 2 else None)
+
+
 def LayerStats_of(summary):
     return layertap.LayerStats.from_summary(summary, name="x", layer="x", call=0, module_type="T", per_channel=True)
+
+
+def test_a_channel_without_finite_values_has_nan_moments():
+    t = torch.randn(4, 3, 5, 5)
+    t[:, 1] = float("nan")
+    t[:, 2, 0, 0] = float("inf")
+    row = LayerStats_of(summarize(t))
+    assert np.isnan(row.channel_mean[1]) and np.isnan(row.channel_std[1])
+    finite = t[:, 2].double().numpy()
+    close(row.channel_mean[2], finite[np.isfinite(finite)].mean(), 1.0)
+    close(row.mean, t[:, [0, 2]].double().numpy()[np.isfinite(t[:, [0, 2]].numpy())].mean(), 1.0)

@@ -172,7 +172,6 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #define NONZEROS_M(v, zero, k) __builtin_popcount(_mm512_mask_cmp_ps_mask(k, v, zero, _CMP_NEQ_UQ))
 #define SUB_M(v, c, k) _mm512_maskz_sub_ps(k, v, c)
 #define COLUMNS_NAME columns_f32_avx512
-#define DIV _mm512_div_ps
 #define STORE _mm512_storeu_ps
 #define IVEC __m512i
 #define IZERO _mm512_setzero_si512()
@@ -184,6 +183,7 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #define DSTORE _mm512_storeu_pd
 #define WIDEN_LO(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
 #define WIDEN_HI(v) _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+#define DHSUM _mm512_reduce_add_pd
 #include "_moments_f32.h"
 #undef NAME
 #undef TARGET
@@ -209,7 +209,6 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #undef NONZEROS_M
 #undef SUB_M
 #undef COLUMNS_NAME
-#undef DIV
 #undef STORE
 #undef IVEC
 #undef IZERO
@@ -221,6 +220,7 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 #undef DSTORE
 #undef WIDEN_LO
 #undef WIDEN_HI
+#undef DHSUM
 
 /* AVX2: 8 lanes; a lane mask vector for a row's last values; lanes folded in halves */
 #define FOLD256(NAME, OP)                                                                          \
@@ -232,6 +232,10 @@ DEFINE_CHANNEL(channel_f64, row_f64, double)
 FOLD256(hsum256, _mm_add_ps)
 FOLD256(hmin256, _mm_min_ps)
 FOLD256(hmax256, _mm_max_ps)
+__attribute__((target("avx2,fma"))) static inline double dhsum256(__m256d v) {
+    __m128d a = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(a, _mm_unpackhi_pd(a, a)));
+}
 #define NAME channel_f32_avx2
 #define TARGET "avx2,fma"
 #define VEC __m256
@@ -256,7 +260,6 @@ FOLD256(hmax256, _mm_max_ps)
 #define NONZEROS_M(v, zero, k) __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), k)))
 #define SUB_M(v, c, k) _mm256_and_ps(_mm256_sub_ps(v, c), k)
 #define COLUMNS_NAME columns_f32_avx2
-#define DIV _mm256_div_ps
 #define STORE _mm256_storeu_ps
 #define IVEC __m256i
 #define IZERO _mm256_setzero_si256()
@@ -268,6 +271,7 @@ FOLD256(hmax256, _mm_max_ps)
 #define DSTORE _mm256_storeu_pd
 #define WIDEN_LO(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
 #define WIDEN_HI(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+#define DHSUM dhsum256
 #include "_moments_f32.h"
 #endif
 

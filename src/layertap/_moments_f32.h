@@ -1,15 +1,15 @@
-/* The float32 kernel for one channel's rows, included by _moments.c once per instruction set
-   (NAME, TARGET and the vector operations are defined there).
+/* The float32 kernels, included by _moments.c once per instruction set (NAME, COLUMNS_NAME,
+   TARGET and the vector operations are defined there).
 
-   The channel's `rows` rows of `length` values lie `stride` values apart. They are taken in
-   blocks of about BLOCK values (whole rows, or pieces of a row longer than that), which stay in
-   L1: pass 1 reads a block from memory for min, max, non-zeros and a rough sum; pass 2 reads it
-   again from L1 for the deviations d from the rough mean (`shift`), summing d and d*d in float32
-   lanes that join float64 sums every FLUSH vectors. The block's mean is shift + sum(d) / m and
-   its M2 = sum(d*d) - sum(d)^2 / m (the corrected two-pass algorithm): the float32 lanes only
-   ever hold a few small centred values (relative error about 1e-7), and the blocks merge in
-   float64 (Chan). A row's last values fill a masked vector, so short rows (7 x 7) cost no
-   scalar loop and no reduction of their own.
+   NAME: one channel's `rows` rows of `length` values, `stride` values apart, taken in blocks of
+   about BLOCK values (whole rows, or pieces of a row longer than that) that stay in L1. Pass 1
+   reads a block from memory: min, max, non-zeros, and the sum of its values in float64 lanes,
+   so the block's mean is as exact as numpy's. Pass 2 reads it again from L1 for the squares of
+   the deviations d = x - shift from the mean rounded to float32, summed in float32 lanes that
+   join a float64 sum every FLUSH vectors; M2 = sum(d*d) - m (mean - shift)^2. The float32 lanes
+   only ever hold a few squares of centred values (relative error about 1e-7, on the std half
+   that), and the blocks merge in float64 (Chan). A row's last values fill a masked vector, so
+   short rows (7 x 7) cost no scalar loop and no reduction of their own.
 
    Two accumulators of each kind: an add waits for the one before it (4 cycles), two in flight
    keep the vector units busy. */
@@ -25,14 +25,17 @@ __attribute__((target(TARGET))) static void NAME(const float *x, int64_t rows, i
             int64_t len = length - start < piece ? length - start : piece, full = len - len % LANES;
             int64_t m = (last - first) * len, zeros = 0;
             MASK_T tail = TAIL_MASK(len - full);
-            VEC s0 = ZERO, s1 = ZERO, l0 = SET1(x[first * stride + start]), l1 = l0, h0 = l0, h1 = l0;
+            VEC l0 = SET1(x[first * stride + start]), l1 = l0, h0 = l0, h1 = l0;
+            DVEC s0 = DZERO, s1 = DZERO, s2 = DZERO, s3 = DZERO;
             for (int64_t r = first; r < last; r++) { /* pass 1, from memory */
                 const float *b = x + r * stride + start;
                 int64_t i = 0;
                 for (; i + 2 * LANES <= full; i += 2 * LANES) {
                     VEC v = LOAD(b + i), w = LOAD(b + i + LANES);
-                    s0 = ADD(s0, v);
-                    s1 = ADD(s1, w);
+                    s0 = DADD(s0, WIDEN_LO(v));
+                    s1 = DADD(s1, WIDEN_HI(v));
+                    s2 = DADD(s2, WIDEN_LO(w));
+                    s3 = DADD(s3, WIDEN_HI(w));
                     l0 = MIN(l0, v);
                     l1 = MIN(l1, w);
                     h0 = MAX(h0, v);
@@ -41,64 +44,59 @@ __attribute__((target(TARGET))) static void NAME(const float *x, int64_t rows, i
                 }
                 if (i < full) {
                     VEC v = LOAD(b + i);
-                    s0 = ADD(s0, v);
+                    s0 = DADD(s0, WIDEN_LO(v));
+                    s1 = DADD(s1, WIDEN_HI(v));
                     l0 = MIN(l0, v);
                     h0 = MAX(h0, v);
                     zeros += NONZEROS(v, zero);
                 }
                 if (len > full) {
                     VEC v = LOAD_M(b + full, tail);
-                    s1 = ADD(s1, v);
+                    s2 = DADD(s2, WIDEN_LO(v));
+                    s3 = DADD(s3, WIDEN_HI(v));
                     l1 = MIN_M(l1, v, tail);
                     h1 = MAX_M(h1, v, tail);
                     zeros += NONZEROS_M(v, zero, tail);
                 }
             }
-            float sum = HSUM(ADD(s0, s1)), bl = HMIN(MIN(l0, l1)), bh = HMAX(MAX(h0, h1));
+            double mean = DHSUM(DADD(DADD(s0, s1), DADD(s2, s3))) / (double)m;
+            float bl = HMIN(MIN(l0, l1)), bh = HMAX(MAX(h0, h1)), shift = (float)mean;
             lo = bl < lo ? bl : lo;
             hi = bh > hi ? bh : hi;
-            float shift = sum / (float)m;
-            VEC c = SET1(shift), r0 = ZERO, r1 = ZERO, q0 = ZERO, q1 = ZERO;
-            double dr = 0, dq = 0;
-            int pending = 0; /* vectors in the float32 lanes since they last joined dr, dq */
+            VEC c = SET1(shift), q0 = ZERO, q1 = ZERO;
+            double dq = 0;
+            int pending = 0; /* vectors in the float32 lanes since they last joined dq */
             for (int64_t r = first; r < last; r++) { /* pass 2, from L1 */
                 const float *b = x + r * stride + start;
                 int64_t i = 0;
                 for (; i + 2 * LANES <= full; i += 2 * LANES) {
                     VEC d = SUB(LOAD(b + i), c), e = SUB(LOAD(b + i + LANES), c);
-                    r0 = ADD(r0, d);
-                    r1 = ADD(r1, e);
                     q0 = FMA(d, d, q0);
                     q1 = FMA(e, e, q1);
                     if ((pending += 2) >= FLUSH) {
-                        dr += HSUM(ADD(r0, r1));
                         dq += HSUM(ADD(q0, q1));
-                        r0 = r1 = q0 = q1 = ZERO;
+                        q0 = q1 = ZERO;
                         pending = 0;
                     }
                 }
                 if (i < full) {
                     VEC d = SUB(LOAD(b + i), c);
-                    r0 = ADD(r0, d);
                     q0 = FMA(d, d, q0);
                     pending++;
                 }
                 if (len > full) {
                     VEC d = SUB_M(LOAD_M(b + full, tail), c, tail);
-                    r1 = ADD(r1, d);
                     q1 = FMA(d, d, q1);
                     pending++;
                 }
                 if (pending >= FLUSH) {
-                    dr += HSUM(ADD(r0, r1));
                     dq += HSUM(ADD(q0, q1));
-                    r0 = r1 = q0 = q1 = ZERO;
+                    q0 = q1 = ZERO;
                     pending = 0;
                 }
             }
-            dr += HSUM(ADD(r0, r1));
             dq += HSUM(ADD(q0, q1));
-            chan(out, (double)seen, (double)m, shift + dr / (double)m, dq - dr * dr / (double)m);
+            chan(out, (double)seen, (double)m, mean, dq - (double)m * (mean - shift) * (mean - shift));
             seen += m;
             nonzero += zeros;
         }
@@ -108,12 +106,12 @@ __attribute__((target(TARGET))) static void NAME(const float *x, int64_t rows, i
     out[4] = (double)nonzero;
 }
 
-/* Columns [first, last) of a float32 [rows, width] map (tokens or features: a channel is a
-   column), LANES columns at a time, one lane each, in blocks of STEP rows: pass 1 reads the
-   block's slice of each row from memory (min, max, non-zeros, rough sums), pass 2 again from L1
-   (STEP lines of 64 bytes) for the deviations from each lane's rough mean, summed in float32 for
-   FLUSH rows and then in float64 lanes. The lanes merge into their columns' results (Chan) once
-   per block. Lanes past `last` load zeros and are never read. */
+/* COLUMNS_NAME: columns [first, last) of a float32 [rows, width] map (tokens or features: a
+   channel is a column), LANES columns at a time, one lane each, in blocks of STEP rows. Pass 1
+   reads the block's slice of each row from memory (min, max, non-zeros, sums in float64 lanes),
+   pass 2 again from L1 (STEP lines of 64 bytes) for the squared deviations from each lane's mean
+   rounded to float32, summed in float32 for FLUSH rows, then in float64 lanes; the lanes merge
+   into their columns (Chan) once per block. Lanes past `last` load zeros and are never read. */
 #define STEP 256
 __attribute__((target(TARGET))) static void COLUMNS_NAME(const float *x, int64_t rows, int64_t width, int64_t first, int64_t last,
                                                           double *out, double *scratch) {
@@ -129,43 +127,45 @@ __attribute__((target(TARGET))) static void COLUMNS_NAME(const float *x, int64_t
         }
         for (int64_t start = 0; start < rows; start += STEP) {
             int64_t end = start + STEP < rows ? start + STEP : rows, m = end - start;
-            VEC s = ZERO, lo = LOAD_M(x + start * width + j, k), hi = lo;
+            VEC lo = LOAD_M(x + start * width + j, k), hi = lo;
+            DVEC s0 = DZERO, s1 = DZERO;
             IVEC nonzero = IZERO;
             for (int64_t r = start; r < end; r++) { /* pass 1, from memory */
                 VEC v = LOAD_M(x + r * width + j, k);
-                s = ADD(s, v);
+                s0 = DADD(s0, WIDEN_LO(v));
+                s1 = DADD(s1, WIDEN_HI(v));
                 lo = MIN(lo, v);
                 hi = MAX(hi, v);
                 nonzero = COUNT(nonzero, v, zero);
             }
-            VEC c = DIV(s, SET1((float)m)), dr = ZERO, dq = ZERO;
-            DVEC dr0 = DZERO, dr1 = DZERO, dq0 = DZERO, dq1 = DZERO;
+            double means[LANES], squares[LANES];
+            float shifts[LANES], los[LANES], his[LANES];
+            int counts[LANES];
+            DSTORE(means, s0);
+            DSTORE(means + LANES / 2, s1);
+            for (int l = 0; l < LANES; l++) {
+                means[l] /= (double)m;
+                shifts[l] = (float)means[l];
+            }
+            VEC c = LOAD(shifts), dq = ZERO;
+            DVEC dq0 = DZERO, dq1 = DZERO;
             for (int64_t r = start; r < end;) { /* pass 2, from L1 */
                 for (int f = 0; f < FLUSH && r < end; f++, r++) {
                     VEC d = SUB(LOAD_M(x + r * width + j, k), c);
-                    dr = ADD(dr, d);
                     dq = FMA(d, d, dq);
                 }
-                dr0 = DADD(dr0, WIDEN_LO(dr));
-                dr1 = DADD(dr1, WIDEN_HI(dr));
                 dq0 = DADD(dq0, WIDEN_LO(dq));
                 dq1 = DADD(dq1, WIDEN_HI(dq));
-                dr = dq = ZERO;
+                dq = ZERO;
             }
-            float shifts[LANES], los[LANES], his[LANES];
-            int counts[LANES];
-            double sums[LANES], squares[LANES];
-            STORE(shifts, c);
             STORE(los, lo);
             STORE(his, hi);
             ISTORE(counts, nonzero);
-            DSTORE(sums, dr0);
-            DSTORE(sums + LANES / 2, dr1);
             DSTORE(squares, dq0);
             DSTORE(squares + LANES / 2, dq1);
             for (int l = 0; l < lanes; l++) {
-                double *o = out + 5 * (j + l), mean = shifts[l] + sums[l] / (double)m;
-                chan(o, (double)start, (double)m, mean, squares[l] - sums[l] * sums[l] / (double)m);
+                double *o = out + 5 * (j + l), off = means[l] - shifts[l];
+                chan(o, (double)start, (double)m, means[l], squares[l] - (double)m * off * off);
                 o[2] = los[l] < o[2] ? los[l] : o[2];
                 o[3] = his[l] > o[3] ? his[l] : o[3];
                 o[4] += counts[l];

@@ -260,9 +260,9 @@ def _read_once(x: torch.Tensor, kernel: int = 0) -> _Reading | None:
     x = x.contiguous()  # channels-last memory is copied once
     if x.dim() >= 4:  # [N, C, H, W]: the channel's rows are H * W values apart
         outer, c, inner = x.shape[0], x.shape[1], x[0, 0].numel()
-    else:  # [..., C]
+    else:  # [..., C]: columns, unless there is one (then it is one long row, read as such)
         c = x.shape[-1]
-        outer, inner = x.numel() // c, 1
+        outer, inner = (1, x.numel()) if c == 1 else (x.numel() // c, 1)
     out = torch.empty(c, 5, dtype=torch.float64)  # mean, M2, min, max, non-zeros
     # PyTorch's threads (the kernel shares its OpenMP pool), one per 2**15 values at most
     threads = max(1, min(torch.get_num_threads(), x.numel() >> 15))
@@ -435,7 +435,7 @@ class LayerStats:
             inf_fraction=s.inf / s.count,
             channels=None if channels is None else len(channels.n),
             dead_channels=() if channels is None else tuple(torch.nonzero(s.dead()).flatten().tolist()),
-            channel_mean=channels.mean.numpy() if per else None,
+            channel_mean=torch.where(channels.n > 0, channels.mean, math.nan).numpy() if per else None,  # NaN: no finite value
             channel_std=(channels.m2 / channels.n).sqrt().numpy() if per else None,
             histogram=s.histogram.arrays() if s.histogram is not None else None,
         )
