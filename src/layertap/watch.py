@@ -44,8 +44,8 @@ output; for a nested output, the gradients of all of its tensors merge. Under ``
 they are the scaled gradients.
 
 The cost (``benchmarks/bench_watch.py``, resnet18 training step, every leaf module, 2 CPU
-cores): a sampled step 1.4-1.5x a plain one, an unsampled step 1.00x, so 1.01x per step with
-``every=100``. Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
+cores): a sampled step 1.2x a plain one, an unsampled step 1.00x, so under 1.01x per step
+with ``every=100``. Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
 ``f(step, records)``. Alerts (`Alerts`) go to ``warnings`` as `WatchWarning`, or to
 ``on_alert=f(alert)``. For Lightning and Hugging Face: `LightningWatch` and `HFWatch`, made
 from ``layertap.watch`` on first use, so that neither library is imported before.
