@@ -1,7 +1,8 @@
 """The cost of `layertap.stats` over the plain forward on resnet50 (CPU, random weights).
 
 Per round, one batch goes through: the plain forward under inference_mode (the baseline),
-`stats` of the 4 stages, of every Conv2d and BatchNorm2d (106 maps), of every leaf module (the
+`stats` of the 4 stages, of every Conv2d and BatchNorm2d (106 maps; again with PyTorch's kernels
+instead of layertap's C kernel, as where the package was built without it), of every leaf module (the
 default: 126 modules, 158 rows since the ReLUs of each block run 3 times), and every leaf with
 per-channel output and a 64-bin histogram.
 The methods run interleaved in one process, round after round; the ratio of minimum times is
@@ -17,6 +18,7 @@ Run: python benchmarks/bench_stats.py [--rounds 15] [--batch 8] [--size 224] [--
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +30,18 @@ from torch import nn
 
 import layertap
 
+stats_module = importlib.import_module("layertap.stats")  # the module (layertap.stats is the function)
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
+
+
+def without_kernel(run: Callable[[], object]) -> object:
+    """``run()`` with statistics from PyTorch's kernels, as where the package was built without
+    its C kernel (a private switch, for this comparison only)."""
+    kernel, stats_module._moments = stats_module._moments, None
+    try:
+        return run()
+    finally:
+        stats_module._moments = kernel
 
 
 def main() -> None:
@@ -55,6 +68,7 @@ def main() -> None:
         "plain forward": forward,
         "stats, 4 stages": lambda: layertap.stats(model, batch, STAGES, progress=False),
         "stats, every Conv2d+BN": lambda: layertap.stats(model, batch, convbn, progress=False),
+        "  PyTorch's kernels": lambda: without_kernel(lambda: layertap.stats(model, batch, convbn, progress=False)),
         "stats, every leaf": lambda: layertap.stats(model, batch, progress=False),
         "  + per-channel, 64 bins": lambda: layertap.stats(model, batch, per_channel=True, histogram_bins=64, progress=False),
     }
