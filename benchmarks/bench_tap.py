@@ -71,6 +71,9 @@ def main() -> None:
     taps = {
         "stages": layertap.tap(model, STAGES),
         "convbn": layertap.tap(model, convbn),
+        # its own tap: one alternating between no_grad (49 copies) and inference_mode (106) would
+        # allocate the 57 others afresh at every switch, which no extraction loop does
+        "convbn_inference": layertap.tap(model, convbn),
         "convbn_mean": layertap.tap(model, convbn, reduce="mean"),
         "layer2_stop": layertap.tap(model, "layer2", stop_early=True),
     }
@@ -118,7 +121,7 @@ def main() -> None:
         "FX truncated at layer2": inference(lambda: fx_layer2(x)),
         "layertap (a) 4 stages": run_tap("stages"),
         "layertap (b) Conv+BN raw": run_tap("convbn"),
-        "layertap (b) Conv+BN raw, under inference_mode": run_tap("convbn", torch.inference_mode),
+        "layertap (b) Conv+BN raw, under inference_mode": run_tap("convbn_inference", torch.inference_mode),
         "layertap (b) Conv+BN raw, new tap per batch": run_new_tap,
         "layertap (c) Conv+BN reduce=mean": run_tap("convbn_mean"),
         "layertap (d) layer2 stop_early": run_tap("layer2_stop"),
