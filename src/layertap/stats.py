@@ -253,8 +253,8 @@ class _Reading(NamedTuple):
 
 def _read_once(x: torch.Tensor, kernel: int = 0) -> _Reading | None:
     """`_Reading` of a CPU float32/float64 map from layertap's C kernel (``_moments.c``): one read
-    of memory, sums in float64, or, on x86 vector units, float32 sums of a few centred values
-    added to float64 ones. ``None`` when it holds NaN or Inf. ``kernel`` indexes
+    of memory, sums in float64 (on x86 vector units, the squares of centred values are summed in
+    float32 a few at a time first). ``None`` when it holds NaN or Inf. ``kernel`` indexes
     ``_moments.KERNELS`` (the CPU's fastest first)."""
     assert _moments is not None
     x = x.contiguous()  # channels-last memory is copied once
