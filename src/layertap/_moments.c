@@ -5,8 +5,8 @@
    min, the max and the count of non-zero values, in float64. The values are taken in blocks that
    fit the L1 cache; a block is read from memory once (sum, min, max, zeros), then again from the
    cache for its centred M2, and the blocks are merged with Chan's update: as exact as numpy's
-   two-pass float64 sums, at the cost of a single read. (float32 rows on x86 vector units keep
-   float32 lanes for the centred sums, a few values each: see DEFINE_ROW_F32.)
+   two-pass float64 sums, at the cost of a single read. (float32 maps on x86 vector units sum the
+   squares of centred values in float32 lanes, a few at a time: see _moments_f32.h.)
 
    Python checks every argument (a contiguous CPU tensor of that dtype and shape, which it keeps
    alive during the call); the pointers are trusted here. The channels are split in contiguous
