@@ -8,7 +8,7 @@ STAMP := $(VENV)/.layertap-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml src/layertap/_moments.c src/layertap/_moments_f32.h
+$(STAMP): pyproject.toml src/layertap/_moments.c src/layertap/_moments_f32.h src/layertap/_copy.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pinned torch first: these builds lie on the machine's disk; pip takes them from there
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1

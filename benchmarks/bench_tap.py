@@ -16,6 +16,7 @@ Run: python benchmarks/bench_tap.py [--rounds 15] [--batch 8] [--size 224] [--al
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,21 @@ from torchvision.models.feature_extraction import create_feature_extractor
 import layertap
 
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
+tap_module = importlib.import_module("layertap.tap")  # the module (layertap.tap is the function)
+
+
+def with_copy_(run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` with the tap's copies made by ``copy_`` instead of streaming stores, as where the
+    package was built without its C extension (a private switch, for this comparison only)."""
+
+    def go() -> object:
+        kernel, tap_module._copy = tap_module._copy, None
+        try:
+            return run()
+        finally:
+            tap_module._copy = kernel
+
+    return go
 
 
 def hand_hooks(model: nn.Module, names: list[str], clone: bool) -> tuple[dict, list]:
@@ -74,6 +90,7 @@ def main() -> None:
         # its own tap: one alternating between no_grad (49 copies) and inference_mode (106) would
         # allocate the 57 others afresh at every switch, which no extraction loop does
         "convbn_inference": layertap.tap(model, convbn),
+        "convbn_inference_copy_": layertap.tap(model, convbn),
         "convbn_mean": layertap.tap(model, convbn, reduce="mean"),
         "layer2_stop": layertap.tap(model, "layer2", stop_early=True),
     }
@@ -122,6 +139,7 @@ def main() -> None:
         "layertap (a) 4 stages": run_tap("stages"),
         "layertap (b) Conv+BN raw": run_tap("convbn"),
         "layertap (b) Conv+BN raw, under inference_mode": run_tap("convbn_inference", torch.inference_mode),
+        "layertap (b) same, copies by copy_": with_copy_(run_tap("convbn_inference_copy_", torch.inference_mode)),
         "layertap (b) Conv+BN raw, new tap per batch": run_new_tap,
         "layertap (c) Conv+BN reduce=mean": run_tap("convbn_mean"),
         "layertap (d) layer2 stop_early": run_tap("layer2_stop"),

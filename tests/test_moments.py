@@ -7,18 +7,13 @@ The kernel is optional (the package installs without it where nothing can compil
 ``LAYERTAP_REQUIRE_KERNEL=1``, so a build that silently failed there is an error, not a skip.
 """
 
-import os
 
 import numpy as np
 import pytest
 import torch
+from kernels import optional_kernel
 
-try:
-    from layertap import _moments
-except ImportError:
-    _moments = None
-    if os.environ.get("LAYERTAP_REQUIRE_KERNEL") == "1":
-        raise
+_moments = optional_kernel("_moments")
 
 pytestmark = pytest.mark.skipif(_moments is None, reason="layertap._moments was not built (no C compiler at install)")
 KERNELS = _moments.KERNELS if _moments else ()

@@ -7,6 +7,7 @@ around it) is never written. The pool holds at most what two forwards dropped, a
 """
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -276,3 +277,68 @@ def test_nested_tensors_are_copied_as_before(one_thread):
         assert t["layers.1"].is_nested
         for got, w, n in zip(t["layers.1"].unbind(), want.unbind(), [5, 3], strict=True):
             torch.testing.assert_close(got, w[:n])  # the fast path: other kernels, not bit-exact
+
+
+class Op(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Layouts(nn.Module):
+    """Outputs of every kind a copy may stream (256 KiB or more, dense) or not, all changed in
+    place after capture, as the network's own memory would be."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 32, 3, padding=1)  # [2, 32, 64, 64] float32: 1 MiB
+        self.channels_last = Op(lambda y: y.contiguous(memory_format=torch.channels_last))
+        self.offset = Op(lambda y: y.flatten()[3:])  # contiguous, 12 bytes into a cache line
+        self.float16 = Op(lambda y: y.half())  # 512 KiB
+        self.int64 = Op(lambda y: (y * 100).long())
+        self.bool = Op(lambda y: y > 0)  # 256 KiB
+        self.transposed = Op(lambda y: y.transpose(1, 3))  # dense in no memory format: copy_
+        self.conj = Op(lambda y: torch.view_as_complex(y.unflatten(-1, (-1, 2))).conj())  # lazy conjugate: copy_
+        self.small = Op(lambda y: y[:, :2].contiguous())  # 64 KiB: copy_
+        self.streamed = ["conv", "channels_last", "offset", "float16", "int64", "bool"]
+
+    def forward(self, x):
+        y = self.conv(x)
+        outs = [m(y) for name, m in self.named_children() if name != "conv"]
+        for out in outs:
+            out.zero_()
+        return y.relu_()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_streamed_copies_equal_clone_in_the_hook_in_every_layout_and_reuse_the_previous_copy(monkeypatch, one_thread, mode):
+    model = Layouts()
+    names = [name for name, _ in model.named_children()]
+    tap_module = importlib.import_module("layertap.tap")
+    streamed = []
+    if tap_module._copy is not None:  # built (LAYERTAP_REQUIRE_KERNEL=1 makes test_copy.py fail where it is not)
+        kernel = tap_module._copy
+
+        class Spy:
+            KERNELS = kernel.KERNELS
+
+            @staticmethod
+            def copy(dst, src, nbytes, threads, *rest):
+                streamed.append((dst, nbytes))
+                kernel.copy(dst, src, nbytes, threads, *rest)
+
+        monkeypatch.setattr(tap_module, "_copy", Spy)
+    t = layertap.tap(model, names)
+    ptrs = []
+    for _ in range(3):
+        streamed.clear()
+        with MODES[mode](), reference(model, names) as ref, t:
+            model(torch.randn(2, 8, 64, 64))
+        assert_equal_to(t, ref, names)
+        ptrs.append({n: t[n].data_ptr() for n in names})
+        if tap_module._copy is not None:
+            assert sorted(streamed) == sorted((t[n].data_ptr(), t[n].nbytes) for n in model.streamed)
+    assert ptrs[2] == ptrs[1]  # every copy, streamed or not, in the memory of the previous one

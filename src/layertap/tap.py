@@ -31,8 +31,8 @@ How values are kept correct and cheap:
   called twice may be changed in place after its second call only), and shared by later taps
   of the same module. A reduction, cast or device move already makes a fresh tensor, which is
   never copied again. Tensors made under ``torch.inference_mode()`` have no version counter,
-  so there every shared value is copied: run taps under ``torch.no_grad()`` for the cheaper
-  path. So is a call outside a forward of the tapped model (a submodule called on its own).
+  so there every shared value is copied, as for a call outside a forward of the tapped model
+  (a submodule called on its own): run taps under ``torch.no_grad()`` to hold less memory.
 - Copies reuse memory. A tap kept open, or re-entered batch after batch, would otherwise
   allocate every copy anew at each forward (680 MB for every conv and BN of a resnet50 at batch
   8 under inference_mode), memory the allocator may hand back and fault in again. So when a
@@ -46,6 +46,13 @@ How values are kept correct and cheap:
   forward untaken, so it holds at most two forwards' copies; it is emptied when the hooks go.
   Stored values stay, so a tap re-entered per batch still reuses them. Cost: a few reference
   counts read per replaced tensor. Reductions, casts and moves allocate as before.
+- Copies stream past the caches. A pooled buffer is long out of the cache when the next copy
+  lands in it, and a plain store reads each line of it from memory before writing it. So a copy
+  of 256 KiB or more on the CPU (contiguous or channels-last) is written with streaming stores
+  (`layertap._copy`, C, on PyTorch's threads): no read of the buffer, and the network's next
+  inputs stay in the cache. Every conv and BN of a resnet50 at batch 8 under inference_mode:
+  1.06× a plain forward copying this way by hand, 1.16× with ``copy_``. Where the package was
+  built without a C compiler, copies use ``copy_``.
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
   `TapError` naming the layer, with the original error chained.
 
@@ -93,6 +100,11 @@ from .select import Layers, aliases, named_layers, not_found, owner, select, spl
 from .tables import Table
 from .units import human_bytes
 
+try:  # C, optional: without a compiler the package installs without it, and copies use copy_
+    from . import _copy
+except ImportError:
+    _copy = None  # type: ignore[assignment]
+
 Kind = Literal["output", "input", "grad", "grad_input"]
 KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
 KEEPS = ("last", "first", "all")
@@ -133,6 +145,18 @@ def _holders(t: torch.Tensor) -> tuple[int, int, int, bool] | None:
         return None
     storage = t.untyped_storage()
     return t._use_count(), use_count(storage._cdata), sys.getrefcount(storage), t.is_cpu and storage.is_shared()
+
+
+STREAM_BYTES = 1 << 18  # smaller copies stay in the cache, where copy_ is as fast
+
+
+def _streams(t: torch.Tensor) -> bool:
+    """Whether the tap copies ``t`` with streaming stores (see the module docstring): its bytes are its values."""
+    return (
+        _copy is not None and t.is_cpu and t.nbytes >= STREAM_BYTES
+        and (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last))
+        and not (t.is_conj() or t.is_neg() or t.is_quantized)
+    )  # fmt: skip
 
 
 def _refs(holder: Any, key: Any) -> int:
@@ -822,7 +846,11 @@ class Tap(Mapping):
         # the buffer is what clone() would make: strides are preserved, an inference tensor under inference_mode
         fit = (out.shape, out.stride(), out.dtype, out.device, torch.is_inference_mode_enabled())
         buffers = self._pool.get(fit) or self._stale.get(fit)  # the last dropped first: its own, in place
-        copy = buffers.pop().copy_(out) if buffers else out.clone()
+        if _streams(out):
+            copy = buffers.pop() if buffers else torch.empty_like(out)
+            _copy.copy(copy.data_ptr(), out.data_ptr(), out.nbytes, torch.get_num_threads())
+        else:
+            copy = buffers.pop().copy_(out) if buffers else out.clone()
         self._made[id(copy)] = copy
         return copy
 
