@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torchvision
 from torch import nn
 from torch.utils import dlpack
@@ -342,3 +343,20 @@ def test_streamed_copies_equal_clone_in_the_hook_in_every_layout_and_reuse_the_p
         if tap_module._copy is not None:
             assert sorted(streamed) == sorted((t[n].data_ptr(), t[n].nbytes) for n in model.streamed)
     assert ptrs[2] == ptrs[1]  # every copy, streamed or not, in the memory of the previous one
+
+
+@pytest.mark.parametrize("rows", [4, 200])  # 8 KiB: copy_; 400 KiB: a size that streams
+def test_a_dual_tensor_keeps_its_tangent_with_detach_false(one_thread, rows):
+    # forward-mode AD: the copy of a dual tensor is dual too, as clone() makes it; bytes alone are not
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(inplace=True))
+    t = layertap.tap(model, ["0"], detach=False)
+    for _ in range(2):
+        x = torch.randn(rows, 512)
+        ref = {}
+        hook = model[0].register_forward_hook(lambda m, a, out: ref.__setitem__("0", out.clone()))  # not detached
+        with torch.no_grad(), fwAD.dual_level(), t:
+            model(fwAD.make_dual(x, torch.randn_like(x)))
+            hook.remove()
+            got, want = fwAD.unpack_dual(t["0"]), fwAD.unpack_dual(ref["0"])
+            assert torch.equal(got.primal, want.primal) and want.tangent is not None
+            assert torch.equal(got.tangent, want.tangent)

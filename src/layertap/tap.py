@@ -90,6 +90,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -840,8 +841,12 @@ class Tap(Mapping):
 
     def _copy_of(self, out: torch.Tensor) -> torch.Tensor:
         """The tap's own copy of ``out``: in a pooled buffer that fits, if any (see the module docstring)."""
-        # a subclass, a tensor in a graph, a nested or sparse one: cloned as before
-        if type(out) is not torch.Tensor or out.requires_grad or out.is_nested or out.layout != torch.strided:
+        # a subclass, a tensor in a graph (forward-mode AD's too: a dual tensor), a nested or
+        # sparse one: cloned as before
+        if (
+            type(out) is not torch.Tensor or out.requires_grad or out.is_nested or out.layout != torch.strided
+            or forward_ad.unpack_dual(out).tangent is not None
+        ):  # fmt: skip
             return out.clone()
         # the buffer is what clone() would make: strides are preserved, an inference tensor under inference_mode
         fit = (out.shape, out.stride(), out.dtype, out.device, torch.is_inference_mode_enabled())
