@@ -350,9 +350,9 @@ def test_a_dual_tensor_keeps_its_tangent_with_detach_false(one_thread, rows):
     # forward-mode AD: the copy of a dual tensor is dual too, as clone() makes it; bytes alone are not
     model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(inplace=True))
     t = layertap.tap(model, ["0"], detach=False)
+    ref = {}
     for _ in range(2):
         x = torch.randn(rows, 512)
-        ref = {}
         hook = model[0].register_forward_hook(lambda m, a, out: ref.__setitem__("0", out.clone()))  # not detached
         with torch.no_grad(), fwAD.dual_level(), t:
             model(fwAD.make_dual(x, torch.randn_like(x)))
