@@ -707,6 +707,20 @@ def test_an_error_in_the_taps_own_work_is_a_tap_error_naming_the_layer():
         pytree._deregister_pytree_node(Pinned)
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_forward_inside_a_torch_func_transform_is_refused_naming_it(transform):
+    # its tensors are wrappers without memory of their own, and cannot outlive the transform
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    run = torch.func.vmap(model) if transform == "vmap" else torch.func.grad(lambda x: model(x).sum())
+    with pytest.raises(TapError, match=r"layer '0' \(Linear\); it ran inside a torch.func transform.*outside the transform"):
+        with layertap.tap(model, "0"):
+            run(torch.randn(3, 4))
+    x = torch.randn(3, 4)
+    with layertap.tap(model, "0") as t:  # the same model, outside: captured
+        model(x)
+    assert torch.equal(t["0"], model[0](x))
+
+
 @pytest.mark.parametrize("shape", [(2, 5, 4), (1, 3, 3, 4)])  # 3-D tokens, 4-D like swin_v2's cpb_mlp
 def test_gradient_of_a_view_output_changed_in_place_matches_autograd(shape):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
