@@ -22,6 +22,7 @@ import importlib
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import allocators
 import torch
@@ -30,18 +31,10 @@ from torch import nn
 
 import layertap
 
-stats_module = importlib.import_module("layertap.stats")  # the module (layertap.stats is the function)
+# the module (layertap.stats is the function); its kernel switched off (a private switch, for this
+# comparison only) gives the statistics of a package built without its C kernel
+stats_module = importlib.import_module("layertap.stats")
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
-
-
-def without_kernel(run: Callable[[], object]) -> object:
-    """``run()`` with statistics from PyTorch's kernels, as where the package was built without
-    its C kernel (a private switch, for this comparison only)."""
-    kernel, stats_module._moments = stats_module._moments, None
-    try:
-        return run()
-    finally:
-        stats_module._moments = kernel
 
 
 def main() -> None:
@@ -68,7 +61,7 @@ def main() -> None:
         "plain forward": forward,
         "stats, 4 stages": lambda: layertap.stats(model, batch, STAGES, progress=False),
         "stats, every Conv2d+BN": lambda: layertap.stats(model, batch, convbn, progress=False),
-        "  PyTorch's kernels": lambda: without_kernel(lambda: layertap.stats(model, batch, convbn, progress=False)),
+        "  PyTorch's kernels": mock.patch.object(stats_module, "_moments", None)(lambda: layertap.stats(model, batch, convbn, progress=False)),
         "stats, every leaf": lambda: layertap.stats(model, batch, progress=False),
         "  + per-channel, 64 bins": lambda: layertap.stats(model, batch, per_channel=True, histogram_bins=64, progress=False),
     }

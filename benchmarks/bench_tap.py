@@ -19,6 +19,7 @@ import argparse
 import importlib
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import allocators
 import torch
@@ -29,21 +30,9 @@ from torchvision.models.feature_extraction import create_feature_extractor
 import layertap
 
 STAGES = ["layer1", "layer2", "layer3", "layer4"]
-tap_module = importlib.import_module("layertap.tap")  # the module (layertap.tap is the function)
-
-
-def with_copy_(run: Callable[[], object]) -> Callable[[], object]:
-    """``run`` with the tap's copies made by ``copy_`` instead of streaming stores, as where the
-    package was built without its C extension (a private switch, for this comparison only)."""
-
-    def go() -> object:
-        kernel, tap_module._copy = tap_module._copy, None
-        try:
-            return run()
-        finally:
-            tap_module._copy = kernel
-
-    return go
+# the module (layertap.tap is the function); its C copy switched off (a private switch, for this
+# comparison only) gives the copies of a package built without it: copy_
+tap_module = importlib.import_module("layertap.tap")
 
 
 def hand_hooks(model: nn.Module, names: list[str], clone: bool) -> tuple[dict, list]:
@@ -139,7 +128,7 @@ def main() -> None:
         "layertap (a) 4 stages": run_tap("stages"),
         "layertap (b) Conv+BN raw": run_tap("convbn"),
         "layertap (b) Conv+BN raw, under inference_mode": run_tap("convbn_inference", torch.inference_mode),
-        "layertap (b) same, copies by copy_": with_copy_(run_tap("convbn_inference_copy_", torch.inference_mode)),
+        "layertap (b) same, copies by copy_": mock.patch.object(tap_module, "_copy", None)(run_tap("convbn_inference_copy_", torch.inference_mode)),
         "layertap (b) Conv+BN raw, new tap per batch": run_new_tap,
         "layertap (c) Conv+BN reduce=mean": run_tap("convbn_mean"),
         "layertap (d) layer2 stop_early": run_tap("layer2_stop"),
