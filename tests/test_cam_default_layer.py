@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torchvision
-from conftest import hook_state
 from torch import nn
 
+from conftest import hook_state
 from layertap.cam import GradCAM, LayoutError, infer_layout
 
 
@@ -31,6 +31,7 @@ class Case(NamedTuple):
     after: tuple[str, ...] = ()  # globs: maps finishing later that still flow, each explained in `why`
     options: dict[str, Any] | None = None  # for the constructor: a smaller img_size, ...
     scores: tuple[str, ...] = ()  # globs: maps finishing later that are class scores (one channel reached)
+    windows: tuple[str, ...] = ()  # globs: maps finishing later padded around a 1x1 map (gradient at one position)
 
 
 ZOO = [
@@ -91,6 +92,11 @@ ZOO = [
          "the head averages the patch tokens of the last block (norm is an Identity, fc_norm comes "
          "after the pool)", ("norm",), {"img_size": 70}),
     Case("timm", "mobilevit_xxs", 64, "final_conv", "the 1x1 conv after the last MobileViT stage, before the pool"),
+    Case("timm", "efficientvit_m0", 64, "stages.2.downsample.res1",
+         "the last 2x2 map the gradient reaches: the input of the patch merging that leaves it (not the 1x1 "
+         "expansion conv inside it, as ViT's qkv); the last stage's attentions are 4x4 windows padded around "
+         "a 1x1 map, whose gradient reaches one position (not stages.1, which finishes before)",
+         ("stages.2.downsample.patchmerge.conv1*",), windows=("stages.2.blocks.*.mixer.m.attn*",)),
 ]
 
 
@@ -108,9 +114,10 @@ def build(case: Case) -> nn.Module:
     return timm.create_model(case.name, pretrained=False, **(case.options or {})).eval()
 
 
-def flowing_maps(model: nn.Module, x: torch.Tensor) -> list[tuple[str, int]]:
-    """(name, channels reached) of every module whose map's map part gets a non-zero gradient of the
-    top class's score, in the order the modules (last) finish: the reference, with plain hooks."""
+def flowing_maps(model: nn.Module, x: torch.Tensor) -> list[tuple[str, int, int]]:
+    """(name, channels reached, positions reached) of every module whose map's map part gets a
+    non-zero gradient of the top class's score, in the order the modules (last) finish: the
+    reference, with plain hooks."""
     outputs: dict[str, torch.Tensor] = {}
 
     def first_float(out: Any) -> tuple[torch.Tensor | None, Any]:
@@ -148,9 +155,10 @@ def flowing_maps(model: nn.Module, x: torch.Tensor) -> list[tuple[str, int]]:
         except LayoutError:
             continue
         if layout is not None and len(layout.grid) and layout.grid != (1,) * len(layout.grid):
-            reached = layout.maps(grad).ne(0).flatten(2).any(-1).sum().item()
+            nonzero = layout.maps(grad)[0].ne(0).flatten(1)  # [C, positions]
+            reached = int(nonzero.any(1).sum())
             if reached:
-                found.append((name, reached))
+                found.append((name, reached, int(nonzero.any(0).sum())))
     return found
 
 
@@ -165,14 +173,17 @@ def test_default_layer(case: Case):
     assert cam.layers == [case.layer], case.why
     assert maps.shape == (1, case.size, case.size) and bool(maps.isfinite().all())
     flowing = flowing_maps(model, x)
-    names = [name for name, _ in flowing]
+    names = [name for name, _, _ in flowing]
     assert case.layer in names, "the chosen layer's map must flow into the score"
     later = flowing[names.index(case.layer) + 1 :]
 
     def matches(name: str, globs: tuple[str, ...]) -> bool:
         return any(fnmatch.fnmatchcase(name, glob) for glob in globs)
 
-    unexplained = [name for name, _ in later if not matches(name, case.after + case.scores)]
+    unexplained = [name for name, _, _ in later if not matches(name, case.after + case.scores + case.windows)]
     assert not unexplained, f"maps that flow finish after {case.layer!r}: {unexplained}"
-    scores = {name: reached for name, reached in later if matches(name, case.scores)}
+    scores = {name: reached for name, reached, _ in later if matches(name, case.scores)}
     assert all(reached == 1 for reached in scores.values()), f"class scores get a gradient in one channel: {scores}"
+    windows = {name: positions for name, _, positions in later if matches(name, case.windows)}
+    assert bool(windows) == bool(case.windows), f"no map finishing later matches {case.windows}"
+    assert all(p == 1 for p in windows.values()), f"a padded window's gradient reaches its one real position: {windows}"

@@ -39,12 +39,12 @@ def cli(*args: str, procs: int | None = None, env: dict | None = None, **options
     return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=300, **options)
 
 
-def torchrun_script(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
-    """``text`` run as a script by 2 processes under torchrun; it must succeed."""
+def torchrun_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess:
+    """``text`` run as a script (with ``args``) by 2 processes under torchrun; it must succeed."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(text))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, *launcher, str(script), *args], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     return done
 
@@ -117,7 +117,8 @@ def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {out}: {len(done)} of 8 chunks already written" in resumed.stderr
     # only the missing chunks ran: 2 batches each, 1 for the last (4 samples)
-    assert resumed.stdout.count("batch ") == sum(2 if c < 7 else 1 for c in range(8) if c not in done)
+    # and one written batch, computed again on rank 0 to check it
+    assert resumed.stdout.count("batch ") == sum(2 if c < 7 else 1 for c in range(8) if c not in done) + 1
     written = markers(out)
     assert {m["process"] for c, m in written.items() if c not in done} == {0, 1, 2}
 
@@ -188,9 +189,39 @@ def test_processes_with_different_weights_are_refused(tmp_path):
     out = tmp_path / "f.zarr"
     done = cli("extract", "different:seeded_by_rank", str(data), "--layers", "1", "--out", str(out), procs=2, env={"PYTHONPATH": str(tmp_path)})
     assert done.returncode != 0
-    assert "has other settings than this rank" in done.stderr and "model" in done.stderr, done.stderr
+    assert "rank 1 of 2 has other settings than rank 0: model weights" in done.stderr, done.stderr
     assert "every process must load the same model" in done.stderr
     assert not out.exists()
+
+
+ONE_WEIGHT = """
+import os, sys, torch, layertap
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 1, bias=False), torch.nn.AdaptiveAvgPool2d(1)).eval()
+rank = int(os.environ["RANK"])
+if rank == 1:  # another checkpoint: one weight differs (the old sampled fingerprint read every 16th)
+    with torch.no_grad():
+        model[0].weight[0, 1] += 0.5
+x = torch.randn(96, 64, 2, 2, generator=torch.Generator().manual_seed(1))
+try:
+    layertap.extract_dataset(model, x, "1", sys.argv[1], batch_size=8, progress=False)
+    line = "done"
+except Exception as e:
+    line = f"{type(e).__name__}: {e}"
+sys.stdout.write(f"rank {rank}: {line}\\n")  # one write: lines of processes do not mix
+sys.stdout.flush()
+"""
+
+
+def test_ranks_whose_weights_differ_anywhere_are_all_stopped_before_the_first_batch(tmp_path):
+    out = tmp_path / "f.zarr"
+    lines = sorted(torchrun_script(tmp_path, ONE_WEIGHT, str(out)).stdout.splitlines())
+    said = [line.split(": ", 1)[1] for line in lines]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"] and said[0] == said[1], lines  # one line, the same on every rank
+    assert said[0].startswith("StoreError: rank 1 of 2 has other settings than rank 0: model weights (fingerprint) '"), lines
+    assert said[0].endswith("every process must load the same model (seed random weights) and read the same data")
+    assert not out.exists()  # before the first batch: nothing was written
 
 
 # ------------------------------------------------------------ in one process: the pieces

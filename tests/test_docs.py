@@ -134,14 +134,19 @@ def test_fence_rules():
         blocks('```python\nprint(1)\n```\n```title="Output"\n1\n```\n', "probe.md")
 
 
-def test_docstring_examples_render_as_code():
-    """The docs' Griffe extension fences doctests, which Markdown would read as nested quotes."""
-    pytest.importorskip("griffe", reason="the docs extra is not installed: pip install -e '.[docs]'")
-    spec = importlib.util.spec_from_file_location("doctest_fences", DOCS / "hooks" / "doctest_fences.py")
+def docs_hook(name: str):
+    """One of the docs build's Griffe extensions (docs/hooks/NAME.py), imported from its file."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / "hooks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
-    fence = hook.fence_doctests
+    return hook
+
+
+def test_docstring_examples_render_as_code():
+    """The docs' Griffe extension fences doctests, which Markdown would read as nested quotes."""
+    pytest.importorskip("griffe", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    fence = docs_hook("doctest_fences").fence_doctests
     assert fence("Intro.\n\n>>> 1 + 1\n2\n\nMore.") == "Intro.\n\n```pycon\n>>> 1 + 1\n2\n```\n\nMore."
     # indented (an Args: section), continuation lines, a directive dropped
     assert fence("  >>> f(1,\n  ...   2)  # doctest: +SKIP\n  3") == "  ```pycon\n  >>> f(1,\n  ...   2)\n  3\n  ```"
@@ -166,3 +171,20 @@ def test_site_builds_strict(tmp_path):
     assert len(reference) == len(list((DOCS / "reference").glob("*.md"))) > 10
     for page in reference:  # a doctest left unfenced would render as nested block quotes
         assert "<blockquote" not in page.read_text(), page
+
+
+def test_grouped_parameters_are_documented_one_by_one():
+    """``detach, to, dtype, reduce:`` documents four parameters: the docs' Griffe extension writes
+    one entry per name, so the API reference takes each one's type and default from the signature
+    (Griffe read the group as one unknown parameter, shown with no default, as if required)."""
+    hook = docs_hook("parameter_groups")
+    split = hook.split_parameter_groups
+    text = "Tap.\n\nArgs:\n    keep: one.\n    detach, to (str): applied\n        in the hook.\n    edit: two.\n\nMore, text: here."
+    want = "Tap.\n\nArgs:\n    keep: one.\n    detach (str): applied\n        in the hook.\n    to (str): applied\n        in the hook.\n    edit: two.\n\nMore, text: here."
+    assert split(text) == want
+    assert split("Args:\n    a: b, c: not a group, a continuation\n") == "Args:\n    a: b, c: not a group, a continuation"
+    griffe = pytest.importorskip("griffe", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    loaded = griffe.load("layertap.tap", search_paths=[str(ROOT / "src")], extensions=griffe.load_extensions(hook.ParameterGroups()))
+    (section,) = [s for s in loaded["tap"].docstring.parse("google") if s.kind.value == "parameters"]
+    defaults = {p.name: p.default for p in section.value}
+    assert {name: defaults.get(name) for name in ("detach", "to", "dtype", "reduce")} == {"detach": "True", "to": "None", "dtype": "None", "reduce": "None"}

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torchvision
-from conftest import hook_state
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
 import layertap
+from conftest import hook_state
 from layertap import LayerForwardError
 
 

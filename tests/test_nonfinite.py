@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 import torchvision
-from conftest import hook_state
 from torch import nn
 
 import layertap
+from conftest import hook_state
 
 
 class Log(nn.Module):

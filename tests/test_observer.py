@@ -7,11 +7,11 @@ import weakref
 import pytest
 import torch
 import torchvision
-from conftest import hook_state
 from models import Reordered
 from torch import nn
 
 import layertap
+from conftest import hook_state
 from layertap import TapError
 
 CONV_BN = (nn.Conv2d, nn.BatchNorm2d)

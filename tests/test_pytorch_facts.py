@@ -265,3 +265,61 @@ def test_21_a_function_mode_is_seen_under_no_grad_and_inference_mode():
     with _Names() as mode2, torch.no_grad():
         torch.ones(2).exp()
     assert "exp" in mode.calls and "exp" in mode2.calls
+
+
+def test_22_a_tensors_own_hook_sums_all_its_uses_a_full_backward_hook_only_the_modules_edge():
+    # the definition of grad/grad_input is the full backward hook's; a hook on the input tensor
+    # itself differs wherever that tensor is read elsewhere too (ResNet's shortcut)
+    lin, skip = nn.Linear(3, 3), nn.Identity()
+    h = nn.Linear(3, 3)(torch.randn(4, 3))
+    seen = {}
+    lin.register_full_backward_hook(lambda m, gi, go: seen.update(lin=gi[0]))
+    skip.register_full_backward_hook(lambda m, gi, go: seen.update(skip_in=gi[0], skip_out=go[0]))
+    h.register_hook(lambda g: seen.update(total=g))
+    (lin(h).sum() + skip(h).sum() * 2 + (h * 3).sum()).backward()
+    torch.testing.assert_close(seen["lin"], lin.weight.sum(0).expand(4, 3))  # through lin only
+    torch.testing.assert_close(seen["skip_out"], torch.full((4, 3), 2.0))  # nn.Identity's output edge only
+    torch.testing.assert_close(seen["skip_in"], torch.full((4, 3), 2.0))
+    torch.testing.assert_close(seen["total"], seen["lin"] + 2 + 3)
+
+
+def test_23_modules_that_return_their_input_object():
+    import torchvision
+
+    x = torch.randn(2, 3)
+    block = torchvision.models.swin_t().eval().features[1][0]
+    for module in (nn.Identity(), nn.Dropout().eval(), block.stochastic_depth):
+        assert module(x) is x  # their output edge is not the tensor's only use
+
+
+def test_24_a_full_backward_hook_refuses_an_in_place_module():
+    relu = nn.ReLU(inplace=True)
+    relu.register_full_backward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="BackwardHookFunction.*inplace"):
+        relu(torch.randn(2, requires_grad=True) * 1)  # so in-place layers are checked against their out-of-place twin
+
+
+def test_25_copy_from_the_same_memory_moves_nothing_and_the_version_can_be_set_back():
+    # what the tap does after a layer changed its input in place through an alias: the caller's
+    # tensor gets the layer's history without a copy, and saved values still pass their checks
+    class Alias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = torch.randn(1 << 20, requires_grad=True)
+    h = x * 1
+    a = Alias.apply(h)
+    a.relu_()  # ReluBackward saves its result, at this version
+    version, pointer, before = a._version, h.data_ptr(), h.detach().clone()
+    h.copy_(a)
+    assert h.data_ptr() == pointer and torch.equal(h, before) and type(h.grad_fn).__name__ == "CopyBackwards"
+    assert h._version == version + 1 == a._version  # one counter, bumped by the write
+    torch._C._autograd._unsafe_set_version_counter((h,), (version,))
+    assert a._version == version
+    (h * 2).sum().backward()  # the saved result passes its version check; the gradient runs through the ReLU
+    torch.testing.assert_close(x.grad, 2.0 * (before > 0))

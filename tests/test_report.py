@@ -495,3 +495,34 @@ def test_sample_ids_are_text_never_markup(shapes, tmp_path):
         browser.type(evil)
         assert browser.evaluate("document.getElementById('lt-found').textContent") == f"circle/{evil}: ringed in every plot"
         assert browser.evaluate("window.pwned === undefined") and browser.errors() == []
+
+
+def test_a_store_killed_before_its_first_chunk_says_to_resume(tmp_path, capsys):
+    """The case: `report` of such a store gave NumPy's ``need at least one array to concatenate``.
+    The extraction stops in its first chunk, after the store is made: what a kill there leaves."""
+    save_images(generate(12, seed=3), tmp_path / "images")
+    model = layertap.load_model("layertap:shapes")
+    forwards = []
+
+    def stop(module, args):
+        forwards.append(1)
+        if len(forwards) == 2:  # the first chunk's second batch
+            raise KeyboardInterrupt
+
+    hook = model.register_forward_pre_hook(stop)
+    store = tmp_path / "killed.zarr"
+    with pytest.raises(KeyboardInterrupt):
+        layertap.extract_dataset(model, tmp_path / "images", SHAPES_LAYERS, store, batch_size=2, chunk_size=4, num_workers=0, progress=False)
+    hook.remove()
+    expected = (
+        f"the feature store {store} holds no complete rows yet: its extraction stopped before writing its first chunk; "
+        "run the same extraction again to resume it, then make the report"
+    )
+    with pytest.warns(UserWarning, match="incomplete"), pytest.raises(layertap.StoreError) as caught:
+        build_report(store, tmp_path / "r.html", model=model, images=tmp_path / "images", progress=False)
+    assert str(caught.value) == expected
+    args = ["report", str(store), "--out", str(tmp_path / "r.html"), "--model", "layertap:shapes", "--images", str(tmp_path / "images")]
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert run(args) == 1
+    assert capsys.readouterr().err == f"layertap: error: {expected}\n"
+    assert not (tmp_path / "r.html").exists()

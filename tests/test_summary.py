@@ -6,12 +6,12 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 import torchvision
-from conftest import hook_state
 from models import Reordered
 from test_tap import EMA  # an EMA-style wrapper whose child is named `module`
 from torch import nn
 
 import layertap
+from conftest import hook_state
 from layertap import nested
 from layertap.summary import LayerTable, summary
 

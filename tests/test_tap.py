@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import hook_state
 from torch import nn
 
 import layertap
+from conftest import hook_state
 from layertap import Inputs, LayerNotFoundError, LayerNotRunError, TapError
 
 
@@ -853,3 +853,31 @@ def test_keep_all_stores_one_entry_per_call_for_the_parts_of_dataparallel_replic
     got = t["fc1"]
     assert len(got) == 2
     assert torch.equal(got[0], torch.cat(halves[:2])) and torch.equal(got[1], torch.cat(halves[2:]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "torch.bfloat16", torch.float64])
+def test_dtype_accepts_a_torch_dtype_or_its_name(dtype):
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.randn(2, 3)
+    with torch.no_grad(), layertap.tap(model, "0", dtype=dtype) as t:
+        model(x)
+    want = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    assert torch.equal(t["0"], model(x).to(want))
+
+
+def test_an_unknown_dtype_name_is_refused_in_one_line():
+    with pytest.raises(layertap.ArgumentError, match=r"unknown dtype='half16': use a torch dtype or its name, e.g. torch.float16 or 'float16'"):
+        layertap.tap(nn.Linear(2, 2), "", dtype="half16")
+
+
+def test_every_documented_option_of_tap_is_its_own_parameter_with_its_default():
+    # the API reference (mkdocstrings, Google style) shows a documented name missing from the
+    # signature as a required parameter: "detach, to, dtype, reduce:" did that
+    griffe = pytest.importorskip("griffe", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    import inspect
+
+    docstring = griffe.Docstring(inspect.getdoc(layertap.tap), parser="google")
+    documented = [p.name for section in docstring.parse() if section.kind.value == "parameters" for p in section.value]
+    signature = inspect.signature(layertap.tap).parameters
+    assert documented and set(documented) <= set(signature)
+    assert {name for name, p in signature.items() if p.default is not inspect.Parameter.empty} <= set(documented)

@@ -12,12 +12,13 @@ import pty
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
 
 from layertap.cli import run
-from layertap.loading import ModelLoadError, load_model
+from layertap.loading import ModelLoadError, load_model, model_info
 
 
 class Payload:
@@ -149,6 +150,46 @@ def test_an_image_processor_with_its_own_code_is_refused(vit_folder):
     assert not (vit_folder / "ran").exists()
 
 
+def test_an_auto_map_only_in_the_image_processor_config_is_refused(vit_folder):
+    """The config names a stock class and the folder's own code: transformers quietly takes the stock one."""
+    marker = vit_folder / "ran"
+    (vit_folder / "image_processing_custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    processor_config = vit_folder / "preprocessor_config.json"
+    assert json.loads(processor_config.read_text())["image_processor_type"].startswith("ViTImageProcessor")  # stock, kept
+    add_to_json(processor_config, auto_map={"AutoImageProcessor": "image_processing_custom.CustomImageProcessor"})
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{vit_folder}")
+    assert one_line(refused.value).startswith(f"hf:{vit_folder} brings its own Python code (auto_map") and "--trust" in str(refused.value)
+    assert not marker.exists()
+
+
+def test_the_image_processor_of_a_folder_is_its_own(vit_folder):
+    """Control: without an auto_map, the folder's processor (and its settings) is the transform."""
+    from PIL import Image
+
+    add_to_json(vit_folder / "preprocessor_config.json", image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0])
+    image = Image.new("RGB", (16, 16), (255, 0, 0))
+    pixels = model_info(load_model(f"hf:{vit_folder}")).transform(image)
+    torch.testing.assert_close(pixels[0], torch.ones(16, 16), atol=1e-6, rtol=0)  # rescaled to [0, 1], not normalised
+
+
+@pytest.mark.parametrize("where", ["absolute", "relative", "home", "deep"])
+def test_a_missing_folder_is_not_taken_for_a_hub_name(tmp_path, monkeypatch, where):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = {"absolute": str(tmp_path / "missing" / "dir"), "relative": "./missing", "home": "~/missing", "deep": "org/name/sub"}[where]
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{path}")
+    assert one_line(refused.value).startswith(f"hf:{path}: there is no model folder at ")
+    assert "check the path" in str(refused.value)
+
+
+def test_cli_says_a_missing_folder_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "missing" / "dir"
+    assert run(["inspect", f"hf:{missing}"]) == 1
+    assert capsys.readouterr().err == f"layertap: error: hf:{missing}: there is no model folder at {missing}: check the path (a Hub model is named NAME or ORG/NAME)\n"
+
+
 @pytest.mark.parametrize("stdin", ["closed", "pipe answering y", "terminal answering y"])
 def test_no_prompt_ever_asks_to_run_a_folders_code(custom_code, tmp_path, stdin):
     """transformers asks ``[y/N]`` on stdin when not told: layertap always tells it, so nothing reads stdin."""
@@ -246,3 +287,53 @@ def test_cli_refuses_a_pickle_payload_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"layertap: error: {path} holds a pickled") and "--trust" in err[0]
     assert not marker.exists()
+
+
+def zip_bomb(path, inflated: int):
+    """A torch.save archive whose one storage record is ``inflated`` zero bytes, deflated (1000:1)."""
+    plain = path.with_suffix(".plain")
+    torch.save({"weight": torch.zeros(4)}, plain)
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(path, "w") as bomb:
+        for info in source.infolist():
+            if info.filename.endswith("/data/0"):
+                record = zipfile.ZipInfo(info.filename)
+                record.compress_type = zipfile.ZIP_DEFLATED
+                with bomb.open(record, "w") as f:
+                    for _ in range(inflated >> 20):
+                        f.write(bytes(1 << 20))
+            else:
+                bomb.writestr(info, source.read(info))
+    plain.unlink()
+    return path
+
+
+def test_a_zip_bomb_pt_is_refused_before_anything_inflates(tmp_path, monkeypatch):
+    """64 MiB in a 64 KB file: torch.load would allocate and inflate all of it (2 GiB took 2.1 GB of RSS)."""
+    path = zip_bomb(tmp_path / "bomb.pt", 64 << 20)
+    size = path.stat().st_size
+    assert size < (64 << 20) / 100
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a))  # inflating starts in torch.load
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(str(path), arch="torch.nn:Identity")
+    message = one_line(refused.value)
+    with zipfile.ZipFile(path) as archive:
+        inflated = sum(info.file_size for info in archive.infolist())  # the zero bytes and the few small records
+    assert inflated > 64 << 20
+    assert message.startswith(f"{path} would inflate from {size} bytes to {inflated} (more than 4x its size)"), message
+    assert "zip bomb" in message and loads == []
+
+
+def test_a_pt_within_the_inflation_bound_loads(tmp_path, monkeypatch):
+    """The bound leaves room: an archive re-zipped with its records deflated (under 4x) still loads."""
+    (tmp_path / "zipped_models.py").write_text("from torch import nn\n\ndef linear():\n    return nn.Linear(64, 64)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = torch.nn.Linear(64, 64)
+    plain, packed = tmp_path / "plain.pt", tmp_path / "packed.pt"
+    torch.save(model.state_dict(), plain)
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info))
+    assert packed.stat().st_size < plain.stat().st_size  # really deflated
+    loaded = load_model(str(packed), arch="zipped_models:linear")
+    assert torch.equal(loaded.weight, model.weight) and torch.equal(loaded.bias, model.bias)

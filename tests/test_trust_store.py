@@ -182,6 +182,26 @@ def test_hdf5_external_links_and_external_storage_are_refused(tmp_path):
     assert raw.read_bytes() == np.ones((10, 5), np.float32).tobytes()
 
 
+@pytest.mark.parametrize("ids", ["path", "index"])
+def test_hdf5_ids_of_object_references_are_refused_in_one_line(tmp_path, ids):
+    import h5py
+
+    out = tmp_path / "s.h5"
+    extract(out, "hdf5").close()
+    meta = read_meta(out, "hdf5")
+    meta["ids"] = ids
+    write_meta(out, "hdf5", meta)
+    with h5py.File(out, "r+") as f:
+        del f["ids"]
+        f.create_dataset("ids", shape=(10,), dtype=h5py.ref_dtype)
+        f["ids"][0] = f["features/1"].ref
+    expected = "its ids are not paths \\(text\\) as its metadata says, but HDF5 object references" if ids == "path" else "its ids are not indices"
+    for read in (layertap.open_features, lambda path: extract(path, "hdf5")):  # reading, and resuming
+        with pytest.raises(StoreError, match=expected) as e:
+            read(out)
+        assert one_line(e.value) and "extract again into a new path" in str(e.value)
+
+
 def test_a_zarr_array_with_a_codec_that_is_not_plain_data_is_refused(tmp_path):
     out = tmp_path / "s.zarr"
     extract(out, "zarr").close()

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import hook_state
 from torch import nn
 
 import layertap
+from conftest import hook_state
 from layertap.stats import leaf_layers
 from layertap.watch import (
     COLUMNS,

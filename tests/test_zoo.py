@@ -40,10 +40,10 @@ from typing import Any
 import pytest
 import torch
 import zoo_models
-from conftest import hook_state
 from torch import nn
 
 import layertap
+from conftest import hook_state
 
 SPECS = {spec.name: spec for spec in zoo_models.torchvision_specs() + zoo_models.timm_specs() + zoo_models.hf_specs()}
 
@@ -353,12 +353,9 @@ def gradient_runs(case: Case) -> dict[str, Any]:
     layers, then ``loss.backward()``. Reference, no tap: a forward hook on every module adds a zero
     tensor that requires grad (a *delta*) to each floating-point output, and ``autograd.grad(loss,
     deltas)`` gives the gradient with respect to each output (``x + 0`` is ``x``: the forward is
-    the same). The tap hooks tensors, so a module that returns a tensor another module returned
-    (``nn.Identity``, a container returning its child's output), unchanged since, shares that
-    module's gradient: it gets no delta of its own; one changed in place since gets a new one. A
-    module that returns its input unchanged when no module made that input (a functional op did)
-    has no reference: the tensor's other uses count towards the tap's gradient, and only a delta
-    where the tensor was made could see them (`SKIP`).
+    the same). Only what reads the module's returned value sees its delta, so this is the gradient
+    of the module's output edge, `layertap.tap`'s definition: an ``nn.Identity`` whose input is
+    read elsewhere too gets its own edge's gradient, not that tensor's total.
     """
     if "grad" not in case.results:
         reference_run(case)
@@ -372,48 +369,27 @@ def gradient_runs(case: Case) -> dict[str, Any]:
             t.grad = None
 
         deltas: dict[tuple, torch.Tensor] = {}  # (name, call, leaf) -> its delta
-        owner: dict[tuple, tuple] = {}  # (name, call, leaf) -> the key whose delta it shares
-        made: dict[int, tuple] = {}  # id of a tensor a hook returned -> (key, tensor, version)
         outputs: dict[tuple, Any] = {}  # (name, call) -> the output with deltas
         calls: dict[str, int] = {}
-        given: dict[str, list] = {}  # name -> a stack of {id of an input tensor: its version at the call}
-        skipped: set[tuple] = set()
-
-        def note_inputs(name: str):
-            def hook(module, args, kwargs):
-                given.setdefault(name, []).append({id(t): t._version for t in leaves((args, kwargs))})
-
-            return hook
 
         def add_deltas(name: str):
-            def hook(module, args, kwargs, output):
+            def hook(module, args, output):
                 call = calls[name] = calls.get(name, -1) + 1
-                inputs = given[name].pop()
                 leaf = iter(range(10**6))
 
                 def add(t: torch.Tensor) -> torch.Tensor:
                     key = (name, call, next(leaf))
                     if not t.is_floating_point():
                         return t
-                    seen = made.get(id(t))
-                    if seen is not None and seen[1] is t and seen[2] == t._version:
-                        owner[key] = owner.get(seen[0], seen[0])
-                        return t
-                    if seen is None and inputs.get(id(t)) == t._version:
-                        skipped.add(key)
-                        return t
                     delta = deltas[key] = torch.zeros_like(t, requires_grad=True)
-                    out = t + delta
-                    made[id(out)] = (key, out, out._version)
-                    return out
+                    return t + delta
 
                 new = outputs[name, call] = map_tensors(add, output)
                 return new
 
             return hook
 
-        handles = [m.register_forward_pre_hook(note_inputs(n), with_kwargs=True) for n, m in case.modules.items()]
-        handles += [m.register_forward_hook(add_deltas(n), with_kwargs=True) for n, m in case.modules.items()]
+        handles = [m.register_forward_hook(add_deltas(n)) for n, m in case.modules.items()]
         try:
             with torch.enable_grad():
                 loss = case.loss()
@@ -422,17 +398,12 @@ def gradient_runs(case: Case) -> dict[str, Any]:
         finally:
             for handle in handles:
                 handle.remove()
-        grads = dict(zip(keys, found))
-        want = {key: grads[owner.get(key, key)] for key in [*keys, *owner]}
-        want.update(dict.fromkeys(skipped, SKIP))
         by_call: dict[tuple, dict[int, Any]] = {}
-        for (n, c, i), g in want.items():
+        for (n, c, i), g in zip(keys, found):
             by_call.setdefault((n, c), {})[i] = g
         case.results["grad"] = dict(few=few, last=last, every_call=every_call, want=by_call, outputs=outputs, calls=calls)
     return case.results["grad"]
 
-
-SKIP = "no reference"
 
 # Two runs of the same values through two graphs (the reference adds zero deltas, the tap may add
 # identity nodes): on one thread all ~12,000 gradients of the zoo agree bit for bit, but kernels
@@ -456,14 +427,12 @@ def expected(run: dict, name: str, call: int) -> dict[int, torch.Tensor | None]:
 
 def check_grads(where: str, got: Any, output: Any, want: dict[int, torch.Tensor | None]) -> None:
     """The tap's gradient ``got`` for a call whose output was ``output``: leaf i equals ``want[i]``."""
-    if all(g is None or g is SKIP for g in want.values()):
-        assert got is None or all(g is SKIP for g in want.values()), f"{where}: no backward reached it, yet the tap has a gradient"
+    if all(g is None for g in want.values()):
+        assert got is None, f"{where}: no backward reached it, yet the tap has a gradient"
         return
     assert got is not None, f"{where}: the tap has no gradient"
     slots = _slots(got, output)
     for i, g in want.items():
-        if g is SKIP:
-            continue
         if g is None:
             assert slots[i] is None, f"{where} leaf {i}: no backward reached it, yet the tap has a gradient"
         else:
@@ -481,9 +450,7 @@ def test_grad(case):
     for name, call in run["calls"].items():  # keep="last": the last call of the second forward
         want = expected(run, name, call)
         where = f"{case.spec.name} {name or '(model)'} grad"
-        if all(g is SKIP for g in want.values()):
-            continue
-        if all(g is None or g is SKIP for g in want.values()):
+        if all(g is None for g in want.values()):
             assert name not in present, f"{where}: no backward reached it, yet the tap has a gradient"
             continue
         assert name in present, f"{where}: the tap has no gradient"
@@ -498,8 +465,8 @@ def test_grad_keep_all(case):
     taps = run["every_call"]
     for name in run["few"]:
         calls = range(run["calls"][name] + 1)
-        if all(g is None or g is SKIP for c in calls for g in expected(run, name, c).values()):
-            assert name not in taps.grads or any(g is SKIP for c in calls for g in expected(run, name, c).values())
+        if all(g is None for c in calls for g in expected(run, name, c).values()):
+            assert name not in taps.grads
             continue
         got = taps.grads[name]
         assert len(got) == len(calls), f"{name}: {len(got)} gradient entries for {len(calls)} calls"

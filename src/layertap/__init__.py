@@ -7,6 +7,11 @@
 {'layer2': (2, 128), 'layer4': (2, 512)}
 """
 
+from . import cli as _cli  # first, and only the standard library: a Ctrl-C in the imports below ends the command in one line
+
+if _cli.starting_command():
+    _cli.quiet_start()
+
 from . import attention, cam, rollout
 from .allocator import tune_allocator
 from .dataset import extract_dataset
@@ -22,6 +27,7 @@ from .errors import (
     LayoutError,
     MissingExtraError,
     ModelLoadError,
+    OutputError,
     RankFailedError,
     StoreError,
     StoreLockedError,
@@ -85,5 +91,6 @@ __all__ = [
     "DataError",
     "CorruptImageError",
     "ModelLoadError",
+    "OutputError",
     "LayoutError",
 ]

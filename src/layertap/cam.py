@@ -300,6 +300,7 @@ class _Seen(NamedTuple):
     grad_channels: int  # channels of that map whose map part (not prefix tokens) gets a non-zero gradient
     passes: str | None  # the module whose output it returned unchanged (an eval Dropout, an Identity)
     reads: frozenset[str]  # the modules whose outputs it was given as they were returned
+    extent: tuple[int | None, int | None]  # grid positions of its largest map input and of its output (None: no grid)
 
 
 def _channels_reached(layout: Layout, mask: np.ndarray) -> int:
@@ -324,7 +325,8 @@ class CAM:
             layers' maps are averaged. ``None`` picks the layer nearest the output whose spatial
             or token map still flows into the score: a ResNet's ``layer4``, a ViT's last ``norm1``
             (the input of the attention where the class token reads the patches), never an unused
-            output, a map of class scores or a key/value projection (see `_default_layer`). It is
+            output, a map of class scores, a key/value projection or an attention window padded
+            around a smaller map (EfficientViT's; see `_default_layer`). It is
             chosen at the first call, for the cost of one forward and backward through the whole
             network on one image, with any method; `layers` names it afterwards.
         output: what to score in the model's output when it is not a tensor: an attribute/key
@@ -340,7 +342,9 @@ class CAM:
     (rows must be scored independently: ScoreCAM calls it on masked copies, and with
     ``batch_size`` it is called per batch). Returns maps in
     ``[0, 1]`` of shape ``[B, *spatial]``, float32, on the input's device. After a call,
-    `logits` holds the scored output and `target_classes` the classes explained.
+    `logits` holds the scored output and `target_classes` the classes explained. A call under
+    ``torch.no_grad()`` gives the same maps (the graph after the layer is the method's own); an
+    empty batch, or a call inside ``torch.inference_mode()``, is a one-line error.
     """
 
     uses_gradients: ClassVar[bool] = True
@@ -379,6 +383,11 @@ class CAM:
             raise ArgumentError(
                 f"inputs must be one tensor [batch, channels, *spatial] (e.g. [B, 3, H, W]); got "
                 f"{list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__}"
+            )
+        if not len(inputs):
+            raise ArgumentError(
+                f"got 0 samples (inputs of shape {list(inputs.shape)}): pass at least one image, or skip "
+                "empty batches before calling the method"
             )
         if torch.is_inference_mode_enabled():
             raise TapError("heatmaps need autograd: call the method outside torch.inference_mode()")
@@ -470,15 +479,12 @@ class CAM:
 
         with explain_failures(self.model), torch.no_grad(), tap(self.model, self.layers, edit=start_graph) as taps:
             output = run_model(self.model, inputs)
-        with torch.enable_grad():
+        with torch.enable_grad():  # under the caller's no_grad too: the graph started above is the method's own
             scores, chosen = self._scores(output, targets)
+            total = scores.sum()
         acts = {name: _first_float(taps[name], name) for name in self.layers}
         wanted = [sources[name] for name in self.layers]
-        found = (
-            torch.autograd.grad(scores.sum(), wanted, allow_unused=True)
-            if scores.requires_grad
-            else [None] * len(wanted)
-        )
+        found = torch.autograd.grad(total, wanted, allow_unused=True) if total.requires_grad else [None] * len(wanted)
         return acts, dict(zip(self.layers, found)), _Call(inputs, chosen)
 
     # -------------------------------------------------------------- gradients and the default layer
@@ -550,7 +556,7 @@ class CAM:
         and must not give a gradient to an output that had none.)
         """
         size = tuple(inputs.shape[2:])
-        outs: dict[str, tuple[Layout | None, int]] = {}  # in the order modules finish
+        outs: dict[str, tuple[Layout | None, int, int | None]] = {}  # in the order modules finish
         calls: dict[str, int] = {}
         masks: dict[str, np.ndarray] = {}
         flows: set[str] = set()
@@ -558,6 +564,7 @@ class CAM:
         maker: dict[int, str] = {}  # id of a copy handed on -> the module that returned it
         passes: dict[str, str] = {}
         reads: dict[str, frozenset[str]] = {}
+        given: dict[str, int | None] = {}  # grid positions of each module's largest map input
 
         def producers(value: Any) -> list[str]:
             return [maker[id(t)] for t in nested.tensors(value) if made.get(id(t)) is t]
@@ -590,15 +597,18 @@ class CAM:
             return nested.map_leaves(copy, out)
 
         def observe(name: str, kind: str, call: int, value: Any) -> None:
+            floats = [t for t in nested.tensors(value) if t.is_floating_point()]
             if kind == "input":
                 reads[name] = frozenset(producers(value))
+                given[name] = max((g for t in floats if (g := self._positions(t.shape, size)) is not None), default=None)
                 return
-            floats = [t for t in nested.tensors(value) if t.is_floating_point()]
             layout = self._map_layout(floats[0].shape, size) if floats else None
+            channels = 0 if layout is None else floats[0].shape[1 if layout.kind == "channels_first" else -1]
             outs.pop(name, None)  # a module called again finishes again
-            outs[name] = (layout, 0 if layout is None else floats[0].shape[1 if layout.kind == "channels_first" else -1])
+            outs[name] = (layout, channels, self._positions(floats[0].shape, size) if floats else None)
 
-        x = inputs.detach().requires_grad_(inputs.is_floating_point())
+        # a tensor made under inference_mode cannot require grad: its copy can
+        x = (inputs.clone() if inputs.is_inference() else inputs.detach()).requires_grad_(inputs.is_floating_point())
         modules = [name for name in named_layers(self.model) if name]
         # detach=False: observe sees the very tensors the modules were given, copies included
         probe = (
@@ -620,9 +630,17 @@ class CAM:
                 grad_channels=_channels_reached(layout, masks[name]) if layout and name in masks else 0,
                 passes=passes.get(name),
                 reads=reads.get(name, frozenset()),
+                extent=(given.get(name), positions),
             )
-            for name, (layout, channels) in outs.items()
+            for name, (layout, channels, positions) in outs.items()
         ]
+
+    def _positions(self, shape: Sequence[int], size: Sequence[int]) -> int | None:
+        """The grid positions of an activation read as a map (1 for a pooled ``[B, C, 1, 1]``), or None."""
+        try:
+            return math.prod(infer_layout(shape, size, grid=self.grid, prefix_tokens=self.prefix_tokens).grid)
+        except LayoutError:
+            return None
 
     def _map_layout(self, shape: Sequence[int], size: Sequence[int]) -> Layout | None:
         """The layout of an activation as a map of more than one position, or None."""
@@ -649,7 +667,10 @@ class CAM:
         module hooked, in the order the modules finish):
 
         1. A *map* is a module's first floating-point output read as a spatial or token map of
-           the whole input (`infer_layout`), with more than one position.
+           the whole input (`infer_layout`), with more than one position, and not a *window*: a
+           grid finer than both the largest map a module around it is given and the one it
+           returns (EfficientViT's attention pads its stage's 1x1 map to a 4x4 window at 64 px:
+           15 of its positions are padding, not places in the image).
         2. It *flows* when the backward from the score reaches that very output (autograd
            reachability: an unused output never does) with a non-zero gradient on its map
            part, not only on prefix (class) tokens, and it is not a *class-score map*: one whose
@@ -679,7 +700,15 @@ class CAM:
         zero-initialised head) they take the last map the backward reaches.
         """
         seen = self._probe(inputs, targets)
-        maps = [s for s in seen if s.layout is not None]
+        extents = {s.name: s.extent for s in seen}
+
+        def window(s: _Seen) -> bool:  # 1: finer than what a module around it is given and returns
+            assert s.layout is not None
+            size, parts = math.prod(s.layout.grid), s.name.split(".")
+            around = (extents.get(".".join(parts[:i]), (None, None)) for i in range(1, len(parts)))
+            return any(given is not None and out is not None and max(given, out) < size for given, out in around)
+
+        maps = [s for s in seen if s.layout is not None and not window(s)]
         if not maps:
             raise LayoutError(
                 f"no layer of the model gives a spatial or token map for an input of size "

@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+from .errors import ArgumentError
+
 Reduce = str | Callable[[torch.Tensor], torch.Tensor] | None
+DType = torch.dtype | str | None
 REDUCTIONS = ("mean", "max", "flatten", "cls")
 
 
@@ -57,6 +60,16 @@ def reducer(reduce: Reduce) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return table[reduce]
 
 
+def as_dtype(dtype: DType) -> torch.dtype | None:
+    """The ``torch.dtype`` for a ``dtype=`` argument: a dtype, or its name (``"float16"``, ``"torch.float16"``)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ArgumentError(f"unknown dtype={dtype!r}: use a torch dtype or its name, e.g. torch.float16 or 'float16'")
+    return found
+
+
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` live in the same storage (so an in-place op on one changes the other)."""
     if a.device != b.device:
@@ -68,7 +81,7 @@ def make_transform(
     *,
     detach: bool = True,
     to: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DType = None,
     reduce: Reduce = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """One function applying the controls in the cheapest order: detach, reduce, cast, move.
@@ -77,6 +90,7 @@ def make_transform(
     the whole activation alive.
     """
     pool = reducer(reduce)
+    dtype = as_dtype(dtype)  # a string would reach Tensor.to as a device name
     device = torch.device(to) if to is not None else None
 
     def transform(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,12 @@ tuple input is passed as positional arguments (see `layertap.features.run_model`
 Every sample has a fixed global index (its position in the data), so any subset can be
 visited (``shard=``) and the batches over a subset are cut exactly as in a full pass.
 
+Worker processes end with their parent. On Linux each DataLoader worker that layertap starts
+asks the kernel to kill it when the process that started it dies (``PR_SET_PDEATHSIG``), so an
+extraction killed with ``kill -9`` leaves no worker behind holding memory or the store's lock
+(torch's own check notices only between samples, and a worker can block at exit on a full pipe).
+A ``worker_init_fn`` of your DataLoader still runs, after that.
+
 >>> import torch
 >>> batches = iter_batches(torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10)), batch_size=4)
 >>> [(b.inputs.shape[0], b.labels.tolist(), b.index.tolist()) for b in batches][-1]
@@ -24,7 +30,11 @@ visited (``shard=``) and the batches over a subset are cut exactly as in a full 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -307,6 +317,8 @@ class _Indexed(DataSource):
             return
         options = dict(self.loader_options)
         collate = options.pop("collate_fn", None) or default_collate
+        if options.get("num_workers"):
+            options["worker_init_fn"] = _EndWithParent(options.get("worker_init_fn"))
         loader = DataLoader(
             _Guarded(self.dataset, self.catch),
             batch_size=self.batch_size,
@@ -370,6 +382,37 @@ def _npy_rows(path: Path) -> ArrayRows:
     except (EOFError, ValueError) as e:  # a cut header, an unknown version, Python objects (never unpickled)
         raise DataError(f"{path} cannot be read as a .npy array: {' '.join(str(e).split())}") from e
     return ArrayRows(array, str(path))
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie not yet reaped (Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+class _EndWithParent:
+    """A DataLoader ``worker_init_fn``: the worker is killed when the process that made the loader
+    dies (Linux), then the loader's own ``worker_init_fn``, if any, runs."""
+
+    def __init__(self, then: Callable[[int], None] | None) -> None:
+        self.then = then
+        self.parent = os.getpid()  # made where the loader is iterated, which starts the workers
+
+    def __call__(self, worker_id: int) -> None:
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError, AttributeError):  # no prctl (another libc): torch's own check remains
+                ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # the parent may have died before the signal was asked for; a forkserver parent is not it
+            if os.getppid() != self.parent and _ended(self.parent):
+                os._exit(1)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def _default_workers(files: bool) -> int:

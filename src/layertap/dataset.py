@@ -12,11 +12,11 @@ How it stays as fast as the model and as small as one batch:
 - under ``torchrun`` the chunks still to write are dealt out to the processes in turn, and each
   writes its own into the one store (see `layertap.distributed`).
 
->>> import torch, torchvision, layertap
+>>> import os, tempfile, torch, torchvision, layertap
 >>> model = torchvision.models.resnet18()
 >>> data = torch.utils.data.TensorDataset(torch.randn(8, 3, 64, 64), torch.arange(8))
->>> store = layertap.extract_dataset(model, data, ["layer3", "avgpool"], "/tmp/doc2.zarr",
-...                                  reduce="mean", overwrite=True, progress=False)
+>>> out = os.path.join(tempfile.mkdtemp(), "features.zarr")
+>>> store = layertap.extract_dataset(model, data, ["layer3", "avgpool"], out, reduce="mean", progress=False)
 >>> store["layer3"].shape, store.labels.tolist()[:3]
 ((8, 256), [0, 1, 2])
 """
@@ -33,7 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -44,9 +44,10 @@ from .allocator import HeapTrimmer
 from .controls import Reduce, reducer
 from .data import Batch, DataSource, Failure, OnError, open_data
 from .distributed import Processes, job, launched, rank_device
+from .errors import DataChangedError
 from .failures import explain_failures
 from .features import place_model, run_model
-from .fingerprint import Verifier, batch_digests, failed_digests
+from .fingerprint import Verifier, batch_digests, code_fingerprint, failed_digests, model_fingerprint
 from .loading import model_info
 from .progress import progress_bar, say
 from .select import Layers, select
@@ -67,36 +68,20 @@ from .store import (
 )
 from .tap import Tap, tap
 
+Verify = Literal["close", "exact", "off"]
 CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
 MAX_CHUNK = 4096  # samples: also the granularity of resuming
 
 
 # ----------------------------------------------------------------------------------- settings
-def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model's class and of its state's names, shapes, dtypes and a sample of values
-    (256 evenly spaced entries per tensor: cheap on any model, enough to tell two apart)."""
-    digest = hashlib.sha256(type(model).__qualname__.encode())
-    samples = []
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-            if t.numel() and not (t.is_complex() or t.is_meta):
-                flat = t.reshape(-1)
-                samples.append(flat[:: max(1, flat.numel() // 256)][:256].double())
-    if samples:
-        digest.update(torch.cat(samples).cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def _describe(obj: Any) -> str | None:
-    """A stable description of a reduction or transform (no memory addresses)."""
+    """A reduction or transform, for people and for comparing: its name (or repr, without
+    addresses) and the fingerprint of its code and values (see `layertap.fingerprint`)."""
     if obj is None or isinstance(obj, str):
         return obj
     name = getattr(obj, "__qualname__", None)
     text = f"{getattr(obj, '__module__', '')}.{name}" if name else repr(obj)
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return f"{re.sub(r' at 0x[0-9a-fA-F]+', '', text)} (code {code_fingerprint(obj)})"
 
 
 def _ids_digest(source: DataSource) -> str | None:
@@ -136,33 +121,86 @@ def _numpy_dtype(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------------------ the forward
+Leaves = dict[tuple[str, int | None], torch.Tensor]  # {(layer, leaf index or None): tensor}
+
+
 class _Forward:
-    """The model under one tap, batch after batch: ``{(layer, leaf index or None): tensor}``."""
+    """The model under one tap, batch after batch: ``{(layer, leaf index or None): tensor}``.
+
+    Each output is stored one row per sample, so its batch dimension must be the first. That is
+    known, not guessed: a leaf whose first size is not the batch's is refused; one where the
+    batch size also appears in another dimension (a ``[T, B, H]`` output with ``T == B``) is run
+    once more on a batch of another size, to see which dimension follows it.
+    """
 
     def __init__(self, model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.dtype | None, device: torch.device) -> None:
         self.model, self.names, self.device = model, names, device
         # one Tap, entered per batch: it learns once which values need copying (see layertap.tap)
         self.tap: Tap = tap(model, names, reduce=reduce, dtype=dtype, stop_early=True)
+        self.batch_first: set[tuple[str, int | None]] = set()  # the leaves proven batch-first
 
-    def __call__(self, inputs: Any, n: int) -> dict[tuple[str, int | None], torch.Tensor]:
+    def __call__(self, inputs: Any, n: int) -> Leaves:
         inputs = nested.map_leaves(lambda t: t.to(self.device, non_blocking=True), inputs)
+        leaves = self._run(inputs)
+        for key, t in leaves.items():
+            if t.dim() == 0 or t.shape[0] != n:
+                raise _not_batch_first(key, t.shape, n, [d for d, size in enumerate(t.shape) if size == n])
+        if unsure := [k for k, t in leaves.items() if k not in self.batch_first and n in t.shape[1:]]:
+            self._probe(inputs, n, {k: leaves[k].shape for k in unsure})
+        self.batch_first.update(leaves)
+        return leaves
+
+    def _run(self, inputs: Any) -> Leaves:
         with torch.no_grad(), explain_failures(self.model), self.tap:
             run_model(self.model, inputs)
         leaves = {}
         for name in self.names:
             value = self.tap[name]
-            tensors = nested.tensors(value)
-            for i, t in enumerate(tensors):
+            for i, t in enumerate(nested.tensors(value)):
                 if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: stored as float32, exactly
                     t = t.float()
                 leaves[(name, None if isinstance(value, torch.Tensor) else i)] = t
-                if t.dim() == 0 or t.shape[0] != n:
-                    raise StoreError(
-                        f"tensor {i} of layer {name!r}'s output has shape {list(t.shape)}, not {n} samples first: "
-                        "only batch-first outputs can be stored per sample; tap another layer, or reduce it "
-                        "with a callable that returns [batch, ...]"
-                    )
         return leaves
+
+    def _probe(self, inputs: Any, n: int, shapes: dict[tuple[str, int | None], torch.Size]) -> None:
+        """Find the batch dimension of ``shapes`` (of a batch of ``n``) from a batch of another size:
+        the dimension that follows the batch size is the batch's."""
+        m = n - 1 if n > 2 else n + 1  # never 1 from more: a model may squeeze a batch of one
+        rows = torch.arange(m, device=self.device) % n
+        try:
+            other = self._run(nested.map_leaves(lambda t: t[rows], inputs))
+        except Exception as e:
+            key, shape = next(iter(shapes.items()))
+            raise StoreError(
+                f"{_leaf_name(key)} has shape {list(shape)}, with the batch size {n} in several dimensions, and a batch of "
+                f"{m} to tell which is the batch failed ({type(e).__name__}: {e}): choose a batch_size that no other "
+                "dimension of the output has"
+            ) from e
+        for key, shape in shapes.items():
+            got = other[key].shape
+            follows = [d for d, (a, b) in enumerate(zip(shape, got)) if a == n and b == m]
+            if len(got) != len(shape) or any(a != b for d, (a, b) in enumerate(zip(shape, got)) if d not in follows) or not follows:
+                raise StoreError(
+                    f"{_leaf_name(key)} has shape {list(shape)} for a batch of {n} and {list(got)} for {m}, so no dimension "
+                    "is the batch's: tap another layer, or reduce it with a callable that returns [batch, ...]"
+                )
+            if 0 not in follows:
+                raise _not_batch_first(key, shape, n, follows)
+
+
+def _leaf_name(key: tuple[str, int | None]) -> str:
+    name, leaf = key
+    return f"layer {name!r}'s output" if leaf is None else f"tensor {leaf} of layer {name!r}'s output"
+
+
+def _not_batch_first(key: tuple[str, int | None], shape: torch.Size | tuple[int, ...], n: int, batch_dims: list[int]) -> StoreError:
+    where = f"its batch of {n} is dimension {batch_dims[0]}" if batch_dims else f"no dimension is its batch of {n}"
+    return StoreError(
+        f"{_leaf_name(key)} has shape {list(shape)}: {where}, not the first, and only batch-first outputs can be stored "
+        "per sample: build the layer batch-first (e.g. batch_first=True for nn.LSTM, nn.GRU, nn.MultiheadAttention, "
+        "nn.TransformerEncoderLayer), tap another layer, or reduce it with a callable that returns [batch, ...], "
+        "e.g. reduce=lambda t: t.transpose(0, 1)"
+    )
 
 
 def _to_host(arrays: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
@@ -377,6 +415,7 @@ def extract_dataset(
     limit: int | None = None,
     distributed: bool = True,
     max_image_pixels: int | None = None,
+    verify: Verify = "close",
 ) -> FeatureStore:
     """Run ``model`` over all of ``data`` and write the features of ``layers`` to ``out``.
 
@@ -400,8 +439,16 @@ def extract_dataset(
             missing chunks only), after checking that the samples of its written chunks are
             the same, content and all (see `layertap.fingerprint`). Different settings or data,
             or ``resume=False``, are an error unless ``overwrite=True``, which replaces the
-            store (a layertap store only). One extraction writes a store at a time: another one
+            store, removing only what layertap wrote (a store folder that also holds other
+            files is refused, naming them). One extraction writes a store at a time: another one
             running on ``out`` is an error naming it (`layertap.errors.StoreLockedError`).
+        verify: before a resumed run writes anything, it recomputes one written batch (the first
+            of the first written chunk) and compares it with the stored rows: ``"close"`` within
+            1e-4 of each array's largest value (1e-2 for 16-bit features or models), ``"exact"``
+            bit for bit (the same machine, libraries and threads), or ``"off"``. A difference is
+            a `layertap.errors.DataChangedError` naming the first array that differs and by how
+            much: something the settings' fingerprints do not see changed (an edited
+            ``forward``, a library, a kernel).
         on_error: an unreadable image stops the run naming it (``"fail"``) or is recorded in
             the store's ``failed`` list, its rows NaN (``"skip"``).
         progress: print the size estimate and show a progress bar (in a terminal or a notebook;
@@ -422,6 +469,8 @@ def extract_dataset(
     stops before writing anything.
     """
     names = select(model, layers)  # unknown layers fail here, before any work
+    if verify not in ("close", "exact", "off"):
+        raise ValueError(f"verify must be 'close', 'exact' or 'off', not {verify!r}")
     reducer(reduce)
     dtype = _torch_dtype(dtype)
     if chunk_size is not None and chunk_size < 1:
@@ -471,7 +520,8 @@ def extract_dataset(
             "versions": _versions(fmt),
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        run = _Run(_Forward(model, names, reduce, dtype, run_device), source, out, format, meta, progress, chunk_size, procs)
+        forward = _Forward(model, names, reduce, dtype, run_device)
+        run = _Run(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
         try:
             run.extract(resume=resume, overwrite=overwrite)
         finally:
@@ -480,17 +530,30 @@ def extract_dataset(
     return FeatureStore(out)
 
 
+def _tolerance(verify: Verify, model: nn.Module, dtype: torch.dtype | None) -> float:
+    """How far recomputed rows may be from stored ones, as a fraction of their largest value."""
+    if verify == "exact":
+        return 0.0
+    half = (torch.float16, torch.bfloat16)
+    return 1e-2 if dtype in half or any(p.dtype in half for p in model.parameters()) else 1e-4
+
+
 def _check_same_everywhere(procs: Processes, settings: dict) -> None:
-    """Refuse a job whose processes would write different things into one store."""
-    for rank, theirs in enumerate(procs.gather(settings)):
-        if changed := settings_differences(theirs, settings, " vs "):
-            raise StoreError(
-                f"rank {rank} of {procs.world} has other settings than this rank ({procs.rank}): {changed}: "
-                "every process must load the same model (seed random weights) and read the same data"
-            )
+    """Refuse a job whose processes would write different things into one store: every process
+    compares all the settings (the model's full fingerprint among them), before the first
+    batch, and all raise the same one-line error."""
+    every = procs.gather(settings)
+    others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+    if others:
+        changed = settings_differences(every[0], every[others[0]], " vs ")
+        ranks = ", ".join(map(str, others))
+        raise StoreError(
+            f"rank{'s' if len(others) > 1 else ''} {ranks} of {procs.world} {'have' if len(others) > 1 else 'has'} other settings "
+            f"than rank 0: {changed}: every process must load the same model (seed random weights) and read the same data"
+        )
 
 
-Computed = tuple[Batch, dict[tuple[str, int | None], torch.Tensor]]  # a batch and its features
+Computed = tuple[Batch, Leaves]  # a batch and its features
 
 
 class _Run:
@@ -500,7 +563,20 @@ class _Run:
     store; each process writes the chunks dealt to it.
     """
 
-    def __init__(self, forward: _Forward, source: DataSource, out: Location, format: str | None, meta: dict, progress: bool, chunk_size: int | None, procs: Processes) -> None:
+    def __init__(
+        self,
+        forward: _Forward,
+        source: DataSource,
+        out: Location,
+        format: str | None,
+        meta: dict,
+        progress: bool,
+        chunk_size: int | None,
+        procs: Processes,
+        *,
+        verify: Verify = "close",
+        rtol: float = 1e-4,
+    ) -> None:
         self.forward, self.source, self.out, self.format, self.meta = forward, source, out, format, meta
         self.chunk_size, self.procs = chunk_size, procs
         self.progress = progress and procs.main  # one bar and one voice per job
@@ -508,6 +584,8 @@ class _Run:
         self.read_first: list[Computed] = []  # batches read to lay out a new store, still to write
         self.reader: Iterator[Computed] | None = None  # the run's batches, when reading them began there
         self.end = 0  # where the data read so far ended (for data of unknown length)
+        self.verify, self.rtol = verify, rtol  # how a resume recomputes a written batch, and within what
+        self.recomputed = False
 
     @property
     def store(self) -> StoreWriter:
@@ -533,6 +611,8 @@ class _Run:
             verifier = Verifier(recorded, store.chunk_size, self.source, str(self.out))
             if self.source.indexed:  # a stream is checked as it is read again
                 procs.share(verifier.check_all)
+                if done and self.verify != "off":
+                    procs.share(lambda: self._recompute(done[0]))
         end = procs.together(lambda: self._batches(done, verifier))
         procs.share(lambda: store.finish(self.source.num_samples or end))
 
@@ -612,14 +692,17 @@ class _Run:
                 if verifier is not None and written.any():
                     old = batch.take(np.flatnonzero(written))
                     verifier.check(old.index, batch_digests(self.source, old))
+                    if self.verify != "off" and not self.recomputed and len(old):
+                        self._compare(old)
                 batch = batch.take(np.flatnonzero(~written))
             yield batch, (self.forward(batch.inputs, len(batch)) if len(batch) else {})
 
     def _batches(self, done: list[int], verifier: Verifier | None) -> int:
         """Run the batches of this process's chunks into the store; where the data ended."""
-        shard = _plan(self.store, done, self.procs.rank, self.procs.world)
+        # data read in order is read through, its written chunks checked as they pass (see `_read`)
+        shard = _plan(self.store, done, self.procs.rank, self.procs.world) if self.source.indexed else None
         reader = self.reader or self._read(shard, done, verifier)
-        total = len(shard) if shard is not None else self.source.num_samples
+        total = len(shard) if shard is not None else self.source.num_samples and self.source.num_samples - sum(self._rows(c) for c in done)
         bar = progress_bar(total, desc="extract", unit="sample", enabled=self.progress)
         sink = _Sink(self.store)
         try:
@@ -642,6 +725,39 @@ class _Run:
             bar.close()
         return self.end
 
+    def _rows(self, chunk: int) -> int:
+        start, end = self.store.chunk_range(chunk)
+        return end - start
+
+    def _recompute(self, chunk: int) -> None:
+        """Recompute the first batch of written ``chunk`` and compare it with its stored rows."""
+        start, _ = self.store.chunk_range(chunk)
+        for batch in self.source.batches(np.arange(start, start + self._rows(chunk), dtype=np.int64)):
+            if len(batch):
+                self._compare(batch)
+                return
+
+    def _compare(self, batch: Batch) -> None:
+        """Raise `DataChangedError` at the first array whose recomputed rows of ``batch`` (written
+        ones) differ from the stored rows by more than ``self.verify`` allows."""
+        self.recomputed = True
+        arrays = {array_key(*k): t for k, t in self.forward(batch.inputs, len(batch)).items()}
+        self._check(arrays, batch)
+        lo = int(batch.index.min())
+        rows = batch.index - lo
+        for spec in self.store.specs:
+            new = arrays[spec.key].detach().cpu().numpy()
+            old = np.asarray(self.store.backend.array(spec.path)[lo : lo + int(rows.max()) + 1])[rows]
+            err, allowed = _difference(new, old, self.rtol)
+            if err > allowed:
+                raise DataChangedError(
+                    f"{self.out} cannot be resumed: {len(batch)} of its written samples (from {batch.ids[0]!r}), computed again, "
+                    f"differ from the stored rows in {spec.key!r} by up to {err:.3g} (max abs; verify={self.verify!r} allows "
+                    f"{allowed:.3g}): what computes the features changed since they were written (the model's code, a "
+                    "library, a kernel), so new rows would not match them: restore it, or pass overwrite=True "
+                    "(--overwrite) to extract everything again"
+                )
+
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
         for spec in self.store.specs:
             t = arrays.get(spec.key)
@@ -652,6 +768,21 @@ class _Run:
                     f"{list(spec.shape)} {spec.dtype}: samples must give one feature shape (resize inputs to one "
                     "size, or pool with reduce='mean')"
                 )
+
+
+def _difference(new: np.ndarray, old: np.ndarray, rtol: float) -> tuple[float, float]:
+    """``(the largest absolute difference, the largest allowed)``: ``rtol`` times the stored
+    rows' largest magnitude (0 for integers). NaN and infinities must sit in the same places."""
+    if not np.issubdtype(old.dtype, np.inexact):
+        diff = np.abs(new.astype(np.float64) - old.astype(np.float64))
+        return float(diff.max(initial=0.0)), 0.0
+    new, old = new.astype(np.float64), old.astype(np.float64)
+    finite = np.isfinite(new) & np.isfinite(old)
+    if not (finite | (new == old) | (np.isnan(new) & np.isnan(old))).all():  # equal infinities are the same
+        return float("inf"), 0.0
+    with np.errstate(invalid="ignore"):  # inf - inf, where the mask drops it
+        err = float(np.where(finite, np.abs(new - old), 0.0).max(initial=0.0))
+    return err, rtol * float(np.where(np.isfinite(old), np.abs(old), 0.0).max(initial=0.0))
 
 
 __all__ = ["extract_dataset", "model_fingerprint"]

@@ -27,6 +27,7 @@ from . import cam
 from .dataset import extract_dataset
 from .errors import ArgumentError
 from .loading import load_model
+from .printable import printable
 from .report import HISTOGRAM_BINS, build_report
 from .shapes import generate, preprocess, save_images
 from .shapes.pointing import pointing_game
@@ -74,7 +75,7 @@ def run_demo(out_dir: str | Path = "layertap-demo", *, n_images: int = 300, seed
         model, images, DEMO_LAYERS, out / "features.zarr", reduce="mean", overwrite=True, progress=progress, num_workers=0
     ) as store:
         shapes = ", ".join(f"{key} {tuple(store[key].shape)}" for key in store)
-        print(f"\n2/5 extracted {store.num_samples} generated images into {store.path} (layertap.extract_dataset): {shapes}")
+        print(f"\n2/5 extracted {store.num_samples} generated images into {printable(store.path)} (layertap.extract_dataset): {shapes}")
 
         gradcam = cam.GradCAM(model, CAM_LAYER)
         maps = gradcam(preprocess(batch.images), batch.labels.tolist())
@@ -91,7 +92,7 @@ def run_demo(out_dir: str | Path = "layertap-demo", *, n_images: int = 300, seed
             store, out / "report.html", model=model, images=images, stats=table, cam_layer=CAM_LAYER,
             title="layertap demo: the bundled shapes model", progress=progress,
         )
-    print(f"\n5/5 report: {report}")
+    print(f"\n5/5 report: {printable(report)}")
     print(f"run time: {time.perf_counter() - started:.1f} s")
     return report
 

@@ -12,9 +12,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .printable import printable
+
 
 class LayertapError(Exception):
-    """Base class of every error layertap raises on purpose."""
+    """Base class of every error layertap raises on purpose.
+
+    Its message (``str(e)``, hence a traceback) shows control characters escaped (`printable`):
+    it names files, layers and models, which may hold terminal escape sequences. Line breaks and
+    tabs are kept. The arguments stay as given (``e.args``), so a pickled error is the same.
+    """
+
+    def __str__(self) -> str:
+        # one argument is the message itself, even for a KeyError, which would print it quoted with repr()
+        text = str(self.args[0]) if len(self.args) == 1 else super().__str__()
+        return printable(text, keep="\n\t")
 
 
 class ArgumentError(LayertapError, ValueError):
@@ -24,15 +36,9 @@ class ArgumentError(LayertapError, ValueError):
 class LayerNotFoundError(LayertapError, KeyError):
     """A layer spec matched no module; the message lists the closest real names."""
 
-    def __str__(self) -> str:  # KeyError would print the message quoted with repr()
-        return str(self.args[0]) if self.args else ""
-
 
 class LayerNotRunError(LayertapError, KeyError):
     """A tapped layer has no value: it never ran since the tap started (or since ``clear()``)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 class TapError(LayertapError, RuntimeError):
@@ -92,6 +98,10 @@ class StoreLockedError(StoreError):
 
 class DataChangedError(StoreError, ValueError):
     """A resumed extraction found samples that differ from those its written chunks were made of."""
+
+
+class OutputError(LayertapError, OSError):
+    """A file layertap writes (a report, a watch log) could not be written; the message names it."""
 
 
 class MissingExtraError(LayertapError, ImportError):

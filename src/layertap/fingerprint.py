@@ -1,17 +1,31 @@
-"""Content fingerprints of samples: how a resumed extraction proves its data is what it was.
+"""Fingerprints: how a resumed extraction proves that it computes what the store was written with.
 
-A store's settings name its samples (their ids), but a file can be replaced under the same
-name. So every chunk's completion marker records a short digest of each of its samples'
-inputs, and a resumed run recomputes the digests of the chunks already written before adding
-to them; the first sample that differs stops it.
+Two kinds, both recorded in a store and checked before a resumed run adds to it:
 
-- Image files (a folder): the digest of the file's bytes. Checking needs no decoding, only a
-  read: cheap next to the forward passes of the chunks still to do.
-- Any other data (tensors, arrays, Datasets, streams): the digest of the sample's row of the
-  collated batch (every input tensor and the label), as the model received it.
+- **The computation** (`model_fingerprint`, `code_fingerprint`): a SHA-256 over everything that
+  decides the features besides the data: every tensor of the model's state, parameters and
+  buffers, persistent or not, hashed whole; the module tree with each module's class, its
+  ``extra_repr()``, its training flag and its other public attributes; and the code of the
+  callables that transform the inputs or reduce the features: their code objects (bytecode,
+  constants, names), defaults, closure values, the globals they name, and the attributes of
+  callable objects (a torchvision ``Compose`` of ``Lambda``s, a ``functools.partial``),
+  recursively. Nothing of it is a memory address or a device, so every process of a job,
+  and a run tomorrow, gets the same fingerprint for the same computation.
+- **The samples** (`batch_digests`): a store's settings name its samples (their ids), but a
+  file can be replaced under the same name. So every chunk's completion marker records a
+  short digest of each of its samples' inputs, and a resumed run recomputes the digests of
+  the chunks already written before adding to them; the first sample that differs stops it.
 
-A digest is 16 hex digits of SHA-256: two different samples get the same by chance with odds of
-about 1 in 10^19.
+  - Image files (a folder): the digest of the file's bytes. Checking needs no decoding, only a
+    read: cheap next to the forward passes of the chunks still to do.
+  - Any other data (tensors, arrays, Datasets, streams): the digest of the sample's row of the
+    collated batch (every input tensor and the label), as the model received it.
+
+  A digest is 16 hex digits of SHA-256: two different samples get the same by chance with odds
+  of about 1 in 10^19.
+
+What no fingerprint sees (an edited ``forward``, another library version or kernel) is caught
+by recomputing a written batch on resume (see `layertap.dataset`).
 
 >>> import torch
 >>> from layertap.data import open_data
@@ -19,21 +33,238 @@ about 1 in 10^19.
 >>> digests = batch_digests(source, next(source.batches()))
 >>> len(digests), digests[0] != digests[1]
 (3, True)
+>>> code_fingerprint(lambda t: t.mean(0)) == code_fingerprint(lambda t: t.amax(0))
+False
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import hashlib
+import io
+import logging
+import re
+import threading
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from . import nested
 from .data import Batch, DataSource, Failure
 from .errors import DataChangedError
 
+# ----------------------------------------------------------------------- the computation
+MAX_DEPTH = 24  # objects nested deeper are described by their class only
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+# what a function may name without computing with it: known by their class, not their state
+# (a logger's state, for one, is every logger of the process)
+_ENVIRONMENT = (logging.Logger, logging.Handler, io.IOBase, threading.Thread)
+_BUILTIN = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview | bytes:
+    """A tensor's values as bytes, whole (a meta tensor has none)."""
+    if t.is_meta:
+        return b""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_quantized:
+        t = t.int_repr()
+    flat = t.cpu().contiguous().reshape(-1)
+    if flat.is_conj() or flat.is_neg():
+        flat = flat.resolve_conj().resolve_neg()
+    return flat.view(torch.uint8).numpy().data
+
+
+class _Hasher:
+    """Feeds a description of objects, recursively, into one SHA-256.
+
+    Each part is typed and length-prefixed, so different objects never describe alike; an
+    object met again (a cycle, or shared) is fed as a reference to its first visit.
+    """
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.seen: dict[int, int] = {}
+        self.alive: list[Any] = []  # keeps visited objects alive, so their ids stay theirs
+
+    def feed(self, *parts: Any) -> None:
+        for part in parts:
+            data = part if isinstance(part, (bytes, memoryview)) else str(part).encode()
+            self.digest.update(len(data).to_bytes(8, "little"))  # 1-D bytes: len() is the size
+            self.digest.update(data)
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()[:16]
+
+    def value(self, obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, _PLAIN):
+            self.feed(type(obj).__name__, obj if isinstance(obj, bytes) else repr(obj))
+            return
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format, enum.Enum)):
+            self.feed(type(obj).__name__, obj)
+            return
+        if isinstance(obj, torch.device):  # every process has its own: only the kind counts
+            self.feed("device", obj.type)
+            return
+        if depth > MAX_DEPTH:
+            self.feed("deep", _name(type(obj)))
+            return
+        if id(obj) in self.seen:
+            self.feed("again", self.seen[id(obj)])
+            return
+        self.seen[id(obj)] = len(self.seen)
+        self.alive.append(obj)
+        depth += 1
+        if isinstance(obj, torch.Tensor):
+            self.feed("tensor", obj.dtype, tuple(obj.shape), _tensor_bytes(obj))
+        elif isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                self.feed("array", obj.shape)
+                self.value(obj.tolist(), depth)
+            else:
+                self.feed("array", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).reshape(-1).view(np.uint8).data)
+        elif isinstance(obj, np.generic):
+            self.feed("scalar", obj.dtype.str, obj.tobytes())
+        elif isinstance(obj, (list, tuple)):
+            self.feed(type(obj).__name__, len(obj))
+            for item in obj:
+                self.value(item, depth)
+        elif isinstance(obj, dict):
+            self.feed(type(obj).__name__, len(obj))
+            for key, item in obj.items():
+                self.value(key, depth)
+                self.value(item, depth)
+        elif isinstance(obj, (set, frozenset)):  # their order changes with the process's hash seed
+            self.feed(type(obj).__name__, *sorted(code_fingerprint(item) for item in obj))
+        elif isinstance(obj, nn.Module):
+            self.module(obj, depth)
+        elif isinstance(obj, types.FunctionType):
+            self.function(obj, depth)
+        elif isinstance(obj, types.CodeType):
+            self.code(obj, depth)
+        elif isinstance(obj, types.MethodType):
+            self.feed("method")
+            self.value(obj.__func__, depth)
+            self.value(obj.__self__, depth)
+        elif isinstance(obj, functools.partial):
+            self.feed("partial")
+            self.value(obj.func, depth)
+            self.value(obj.args, depth)
+            self.value(obj.keywords, depth)
+        elif isinstance(obj, types.ModuleType):
+            self.feed("module", obj.__name__)
+        elif isinstance(obj, _ENVIRONMENT):
+            self.feed("environment", _name(type(obj)))
+        elif isinstance(obj, (type, *_BUILTIN)):  # classes and C functions: known by their names
+            self.feed(type(obj).__name__, getattr(obj, "__module__", None) if isinstance(obj, _BUILTIN) else "", _name(obj))
+        else:
+            self.instance(obj, depth)
+
+    def instance(self, obj: Any, depth: int) -> None:
+        """Any other object: its class and its attributes (``vars()``, ``__slots__``), else its repr."""
+        self.feed("object", _name(type(obj)))
+        state = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        for cls in type(obj).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                    state[slot] = getattr(obj, slot)
+        if state or hasattr(obj, "__dict__"):
+            self.value(state, depth)
+        else:  # a C object: its repr, without addresses
+            self.feed(re.sub(r"0x[0-9a-fA-F]+", "", repr(obj)))
+
+    def function(self, fn: types.FunctionType, depth: int) -> None:
+        """A Python function: its code, defaults, closure values and the globals it names."""
+        self.feed("function", fn.__qualname__)
+        self.code(fn.__code__, depth)
+        self.value(fn.__defaults__, depth)
+        self.value(fn.__kwdefaults__, depth)
+        for cell in fn.__closure__ or ():
+            try:
+                self.value(cell.cell_contents, depth)
+            except ValueError:  # a cell not filled yet
+                self.feed("empty cell")
+        names = sorted(n for n in _global_names(fn.__code__) if n in fn.__globals__)
+        for name in names:
+            self.feed(name)
+            self.value(fn.__globals__[name], depth)
+
+    def code(self, code: types.CodeType, depth: int) -> None:
+        # not the file or line numbers: moving code does not change what it computes
+        self.feed("code", code.co_code, code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)
+        self.feed(*code.co_names, "|", *code.co_varnames, "|", *code.co_freevars, "|", *code.co_cellvars)
+        self.value(code.co_consts, depth)
+
+    def module(self, model: nn.Module, depth: int) -> None:
+        """A module tree: each module's class, configuration, mode, other attributes, and state."""
+        self.feed("module", _name(type(model)))
+        for name, module in model.named_modules():
+            self.feed(name, _name(type(module)), module.training, module.extra_repr())
+            for key, value in vars(module).items():
+                # torch's own bookkeeping, and layertap's note of the spec a model was loaded from
+                # (the same weights loaded through another spec compute the same values)
+                if not key.startswith("_") and key not in ("training", "layertap_info"):
+                    self.feed(key)
+                    self.value(value, depth)
+            for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+                for key, t in tensors.items():
+                    self.feed(kind, key, key in module._non_persistent_buffers_set)
+                    self.value(t, depth)
+
+
+def _name(obj: Any) -> str:
+    """A class's or function's name, without its module: code run as a script (``__main__``)
+    and imported is the same code."""
+    return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?"))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names that ``code`` (and the code nested in it) looks up, globals among them."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """16 hex digits of SHA-256 over the whole of ``model``: its module tree (class,
+    ``extra_repr()``, training flag and public attributes of each module) and every tensor of
+    its state, parameters and buffers (persistent or not), hashed whole.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
+    >>> before = model_fingerprint(model)
+    >>> with torch.no_grad():
+    ...     model[0].weight[0, 1] += 1e-6
+    >>> model_fingerprint(model) != before
+    True
+    """
+    hasher = _Hasher()
+    with torch.no_grad():
+        hasher.value(model)
+    return hasher.hexdigest()
+
+
+def code_fingerprint(obj: Any) -> str:
+    """16 hex digits of SHA-256 over what a callable (a transform, a ``reduce=`` function) or any
+    other object computes with: code objects, constants, defaults, closure values, named
+    globals and attributes, recursively (see the module's docstring)."""
+    hasher = _Hasher()
+    with torch.no_grad():
+        hasher.value(obj)
+    return hasher.hexdigest()
+
+
+# ------------------------------------------------------------------------------ the samples
 FAILED = "failed"  # the digest of a sample that could not be read (data other than files)
 MISSING = "missing"  # the digest of a file that is gone or unreadable
 
@@ -118,4 +349,4 @@ class Verifier:
             self.check([f.index for f in batch.failed], failed_digests(self.source, batch.failed))
 
 
-__all__ = ["Verifier", "batch_digests", "failed_digests"]
+__all__ = ["Verifier", "batch_digests", "code_fingerprint", "failed_digests", "model_fingerprint"]

@@ -7,6 +7,11 @@ its index. Images directly in the root get label -1. A folder of images alone is
 Any file that does not decode (truncated, corrupt, empty, not an image, unreadable, too many
 pixels) raises one `CorruptImageError` naming it, so that ``on_error`` treats them all alike.
 
+Decoders that run no programs. Only the raster formats of `IMAGE_FORMATS` (PNG, JPEG, BMP,
+GIF, TIFF, WebP, PPM) are decoded, whatever a file is named: Pillow hands EPS and PostScript to
+Ghostscript, an outside program with a long history of code-execution bugs, so a PostScript file
+named ``photo.png`` is an unreadable image like any other, and nothing is run.
+
 As the model saw it. A model sees an image through its transform, which resizes and centre
 crops it. `view_box` says which part of the image that is, `model_view` draws that part as
 the model got it, and `to_original` lays a map over the model's input (a heatmap) back on the
@@ -36,6 +41,11 @@ import numpy as np
 from .errors import ArgumentError, CorruptImageError, require
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+# Pillow's decoders that run no outside program (its JPEG one also reads MPO, a camera's JPEGs)
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+_FORMAT_NAMES = "PNG, JPEG, BMP, GIF, TIFF, WebP or PPM"
+# formats whose Pillow decoder runs a program, named when a file turns out to be one of them
+_PROGRAM_FORMATS = ((b"%!PS", "PostScript (EPS)"), (b"\xc5\xd0\xd3\xc6", "PostScript (EPS)"), (b"%PDF", "PDF"))
 
 LIMIT_HINT = (
     "If the image is genuine, raise the limit (max_image_pixels=N / --max-image-pixels N, 0 for none); "
@@ -127,6 +137,30 @@ def _pil_limit(image_module: Any, limit: int) -> Iterator[None]:
             image_module.MAX_IMAGE_PIXELS = saved
 
 
+def open_image(path: str | Path) -> Any:
+    """``PIL.Image.open(path)`` restricted to `IMAGE_FORMATS`: the one way layertap opens an image file.
+
+    A file of another format (EPS, PDF, ...) raises ``PIL.UnidentifiedImageError`` before any
+    decoder of its own sees it; `load_image` turns that into a `CorruptImageError`.
+    """
+    return require("PIL.Image", "vision").open(path, formats=IMAGE_FORMATS)
+
+
+def _unidentified(path: Path, error: Exception) -> str:
+    """Why a file is no image layertap reads, naming its format when its decoder would run a program."""
+    try:
+        with path.open("rb") as f:
+            head: bytes | None = f.read(8)
+    except OSError:
+        head = None
+    if head == b"":
+        return "the file is empty (0 bytes)"
+    found = next((name for magic, name in _PROGRAM_FORMATS if head and head.startswith(magic)), None)
+    if found is not None:
+        return f"it is a {found} file, a format layertap never decodes (its decoder runs a program); images must be {_FORMAT_NAMES}"
+    return f"{type(error).__name__}: not a {_FORMAT_NAMES} image, the only formats layertap decodes"
+
+
 def load_image(path: str | Path, max_image_pixels: int | None = None, *, draft: tuple[int, int] | None = None):
     """Read an image fully as RGB ``PIL.Image``.
 
@@ -139,7 +173,7 @@ def load_image(path: str | Path, max_image_pixels: int | None = None, *, draft: 
     path = Path(path)
     limit = pixel_limit(max_image_pixels)
     try:
-        with _pil_limit(image_module, limit), image_module.open(path) as img:
+        with _pil_limit(image_module, limit), open_image(path) as img:
             width, height = img.size
             if limit and width * height > limit:  # before decoding: the pixels are not allocated yet
                 raise CorruptImageError(
@@ -153,6 +187,8 @@ def load_image(path: str | Path, max_image_pixels: int | None = None, *, draft: 
         raise
     except image_module.DecompressionBombError as e:
         raise CorruptImageError(path, f"{type(e).__name__}: {e}", LIMIT_HINT) from e
+    except image_module.UnidentifiedImageError as e:
+        raise CorruptImageError(path, _unidentified(path, e)) from e
     except Exception as e:  # PIL raises many kinds (OSError, SyntaxError, struct.error, ...): all mean unreadable
         raise CorruptImageError(path, f"{type(e).__name__}: {e}") from e
 

@@ -6,11 +6,17 @@ Accepted specs:
   ``WEIGHTS`` names a weights enum member (``IMAGENET1K_V2``, ``DEFAULT``);
 - ``timm:NAME[:pretrained]``: ``timm.create_model(NAME)``, random weights unless ``:pretrained``;
 - ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub.
-  A folder that brings its own Python code (``auto_map`` in its config) is refused unless
-  ``trust=True`` (``--trust``), and pickled ``.bin`` weights are read only as plain tensors;
+  A folder that brings its own Python code (``auto_map`` in its config or its image processor's
+  config) is refused unless ``trust=True`` (``--trust``), and pickled ``.bin`` weights are read
+  only as plain tensors. A shard index (``model.safetensors.index.json``,
+  ``pytorch_model.bin.index.json``) is data: every shard it names must be a regular file inside
+  the folder (no absolute path, no ``..``, no link out, no device or FIFO), checked before any is
+  opened. A path that does not exist is an error, not a Hub name;
 - ``PATH.pt`` / ``PATH.pth``: a state dict for ``arch=`` (another spec). Files are read with
   ``torch.load(weights_only=True)``, which never runs code from the file; a pickled ``nn.Module``
-  is refused unless ``trust=True`` (``--trust``);
+  is refused unless ``trust=True`` (``--trust``). An archive whose records would inflate to more
+  than `MAX_INFLATION` times its size on disk (a zip bomb) is refused before anything is inflated:
+  ``torch.save`` stores its records uncompressed, so a file it wrote never comes near that;
 - ``package.module:callable``: a factory (or class) called without arguments, or a module object;
 - ``layertap:shapes``: the small CNN bundled with layertap (offline).
 
@@ -41,6 +47,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import json
 import pickle
 import re
 import urllib.parse
@@ -68,6 +75,9 @@ SPEC_FORMS = (
     "layertap:shapes (the bundled example model)",
 )
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+MAX_INFLATION = 4  # the most a .pt archive's records may hold, as a multiple of the file's size
+# the shard indexes transformers reads from a folder (it takes no variant from layertap)
+_SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model")  # where trainers nest the weights
 # how the pickle of torch.save's legacy (pre-zip) format starts: its magic number, as any protocol >= 2 writes it
 _LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
@@ -352,13 +362,64 @@ def _hf_refusals(spec: str) -> Iterator[None]:
         raise
 
 
+def _is_path(path_or_name: str) -> bool:
+    """Whether an ``hf:`` spec can only be a path: a Hub name is ``NAME`` or ``ORG/NAME``, never
+    absolute, never starting with ``.`` or ``~``, and with at most one ``/``."""
+    return Path(path_or_name).is_absolute() or path_or_name.startswith((".", "~")) or path_or_name.count("/") > 1
+
+
+def _shards_inside(spec: str, folder: Path, index: Path) -> list[str]:
+    """The shards an index names, refused unless all are regular files inside ``folder``, before any is opened.
+
+    transformers joins each name to the folder as it is: an absolute name, or one with ``..``,
+    would read any file (``/dev/stdin``, ``/etc/passwd``, another model's weights); a FIFO hangs.
+    """
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{spec}: its shard index {index.name} cannot be read as JSON with a weight_map ({_reason(e)}); save the model again") from e
+    root = folder.resolve()
+    if root.parent.name == "snapshots":  # a Hub cache snapshot: its files link to the repo's blobs/
+        root = root.parent.parent
+    for name in sorted(shards, key=str):
+        where = folder / str(name)
+        problem = None
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
+            problem = "which is not a file name inside the folder"
+        elif not where.exists():
+            problem = "which is not in the folder"
+        elif not where.resolve().is_relative_to(root):
+            problem = f"which links to {where.resolve()}, outside the folder"
+        elif not where.is_file():
+            problem = "which is not a regular file (a folder, device or FIFO)"
+        if problem is not None:
+            raise ModelLoadError(
+                f"{spec}: its shard index {index.name} names the shard {name!r}, {problem}; a shard index may "
+                "name only weight files in the model's folder: fix the index, or put the shards there"
+            )
+    return sorted(shards)
+
+
 def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
     transformers = require("transformers", "hf")
     spec = f"hf:{path_or_name}"
+    folder = Path(path_or_name).expanduser()
+    if _is_path(path_or_name) and not folder.is_dir():
+        raise ModelLoadError(
+            f"{spec}: there is no model folder at {folder}: check the path (a Hub model is named NAME or ORG/NAME)"
+        )
     # with trust_remote_code=False, transformers would quietly use its own class for a known model
     # type: refuse instead, as the folder means its own code
     if not trust and "auto_map" in transformers.PretrainedConfig.get_config_dict(path_or_name)[0]:
         raise _custom_code(spec)
+    if folder.is_dir():  # a Hub model's shards are downloaded by name into the cache's own folder
+        weights = ["pytorch_model.bin"]
+        for name in _SHARD_INDEXES:
+            if (folder / name).is_file():
+                weights += _shards_inside(spec, folder, folder / name)
+        for name in weights:  # transformers torch.loads pickled weights, inflating them whole
+            if name.endswith(".bin") and (folder / name).is_file():
+                _check_zip_weights(folder / name)
     # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
     with _hf_refusals(spec):
         model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)
@@ -366,6 +427,9 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
     if info.kind == "vision":
         try:  # the model's own preprocessing, when it was saved with the model (custom code still refused)
             with _hf_refusals(spec):
+                # transformers quietly takes its own processor class when the config also names one
+                if not trust and "auto_map" in transformers.ImageProcessingMixin.get_image_processor_dict(path_or_name)[0]:
+                    raise _custom_code(spec)
                 processor = transformers.AutoImageProcessor.from_pretrained(path_or_name, trust_remote_code=trust)
         except ModelLoadError:  # a refusal (a ValueError too) is not a missing processor
             raise
@@ -428,14 +492,15 @@ def _check_saved(path: Path) -> None:
     if head.startswith(b"PK\x03\x04"):  # a zip archive: torch.save's format since PyTorch 1.6, and TorchScript's
         try:
             with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
+                records = archive.infolist()
         except zipfile.BadZipFile as e:
             raise ModelLoadError(
                 f"{path} is damaged: it begins as a zip archive but its index (at the end) is missing or broken, "
                 "as when a copy or download stops early; save or copy it again"
             ) from e
+        _check_inflation(path, records)
         # only TorchScript stores code and constants
-        if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        if any(r.filename.endswith("/constants.pkl") or "/code/" in r.filename for r in records):
             raise ModelLoadError(
                 f"{path} is a TorchScript archive, {_NO_HOOKS}: load the original nn.Module instead, with its "
                 "package.module:factory spec, or its state dict with --arch SPEC (arch=); "
@@ -446,6 +511,28 @@ def _check_saved(path: Path) -> None:
             f"{path} is not a file written by torch.save (neither a zip archive nor a PyTorch pickle): it is "
             "damaged, or in another format"
         )
+
+
+def _check_inflation(path: Path, records: list[zipfile.ZipInfo]) -> None:
+    """Refuse an archive whose records (sizes from its central directory, as torch's reader
+    allocates them) hold more than `MAX_INFLATION` times the file's size: a zip bomb."""
+    size = path.stat().st_size
+    inflated = sum(r.file_size for r in records)
+    if inflated > MAX_INFLATION * size:
+        raise ModelLoadError(
+            f"{path} would inflate from {size} bytes to {inflated} (more than {MAX_INFLATION}x its size): torch.save "
+            "stores records uncompressed, so this archive was made to exhaust memory (a zip bomb); refused unread"
+        )
+
+
+def _check_zip_weights(path: Path) -> None:
+    """Refuse a zip bomb among a folder's pickled weights; any other problem is transformers' to report."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (OSError, zipfile.BadZipFile):  # a legacy pickle, or unreadable
+        return
+    _check_inflation(path, records)
 
 
 def _state_dict(obj: Any) -> dict[str, torch.Tensor] | None:

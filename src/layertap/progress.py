@@ -15,6 +15,9 @@ The rule, for every long-running API (each has ``progress: bool = True``):
 
 The cost: nothing when no bar is shown; tqdm redraws at most ten times a second.
 
+What a bar or `say` writes has its control characters escaped (`layertap.printable`): a
+description or a message may name a file, whose name could hold a terminal escape sequence.
+
 >>> from layertap.progress import progress_bar
 >>> with progress_bar(3, desc="demo", unit="step", enabled=False) as steps:  # a quiet bar does nothing
 ...     for _ in range(3):
@@ -26,6 +29,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from .printable import printable
 
 
 def in_notebook() -> bool:
@@ -73,13 +78,14 @@ def progress_bar(total: float | None, *, desc: str, unit: str = "it", enabled: b
         from tqdm.auto import tqdm
     except ImportError:  # the cli extra is not installed: no bar
         return Quiet()
-    return tqdm(total=total, desc=desc, unit=unit, leave=leave, dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, desc=printable(desc), unit=unit, leave=leave, dynamic_ncols=True, file=sys.stderr)
 
 
 def say(message: str, enabled: bool = True) -> None:
     """Print ``layertap: message`` on ``stderr`` (when ``enabled``), above a running bar."""
     if not enabled:
         return
+    message = printable(message)
     try:
         from tqdm import tqdm
     except ImportError:

@@ -1,4 +1,4 @@
-"""Choosing layers: names, globs, regexes, module classes and predicates.
+r"""Choosing layers: names, globs, regexes, module classes and predicates.
 
 Every layertap entry point resolves its ``layers=`` argument here, so the rules are the same
 everywhere:
@@ -19,10 +19,26 @@ everywhere:
   matched module gives one name, ``"layer1.0:add_"``. ``OP`` may be ``*``: every op the module
   calls, named ``"MODULE:OP#K"`` as they run (what ``summary(ops=True)`` lists).
 
+Names holding the spec syntax's own characters (a ModuleDict key ``"a[0]"``, a module registered
+as ``"d:relu"``, or with ``*`` or ``?``) are selected like any other:
+
+- an exact module name always wins: a spec equal to a module's name selects that module, never a
+  glob or an op (``"a.b[0]"``, ``"d:relu"``);
+- a backslash makes the next character literal, in names, globs and op specs: ``r"**.b\[0\]"``,
+  ``r"d\:relu:add"`` (the op ``add`` of module ``d:relu``), ``r"x\*"``;
+- every name layertap reports is a spec that selects exactly that layer: a ``:`` or ``\`` inside a
+  module's own name is reported escaped (module ``d:relu`` is ``"d\:relu"``, its ops
+  ``"d\:relu:add"``), so a module name never reads as an op. The op ``relu`` of a module ``d``
+  beside a module ``d:relu`` is the pair ``("d", "relu")`` in a list.
+
+Globs and regexes are matched against the names as modules have them (``re:d\:relu`` or
+``re:d:r.*`` match ``d:relu``; a regex's own colons, before its last one, stay its own). A regex or
+glob that does not compile is an `ArgumentError` naming it.
+
 Wrappers are seen through: the ``module.`` segment of DataParallel/DDP and the ``_orig_mod.``
 segment of ``torch.compile`` are dropped from the names layertap reports, and a spec may use a
 name with or without them: names, globs and regexes are matched against both the reported name
-and the name ``named_modules()`` gives. Only the segment that holds an actual wrapper's model is
+(unescaped) and the name ``named_modules()`` gives. Only the segment that holds an actual wrapper's model is
 dropped; an EMA or weight-norm wrapper's own ``self.module`` keeps its name. A module registered
 at two paths keeps its first name, as ``named_modules()`` reports it.
 """
@@ -37,13 +53,36 @@ from typing import NamedTuple, TypeGuard, Union, cast
 
 from torch import nn
 
-from .errors import LayerNotFoundError
+from .errors import ArgumentError, LayerNotFoundError
 
 ModuleSpec = Union[str, "re.Pattern[str]", type, Callable[[str, nn.Module], bool]]
 Spec = ModuleSpec | tuple[ModuleSpec, str]
 Layers = Spec | Sequence[Spec]
 _OP = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:#[1-9][0-9]*)?|\*)")
 _PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
+_GLOB = re.compile(r"(?<!\\)(?:\\\\)*[*?\[]")  # an unescaped glob metacharacter
+
+
+def escape(name: str) -> str:
+    """A module's own name (one segment) as layertap reports it: ``:`` and ``\\`` escaped."""
+    return name.replace("\\", "\\\\").replace(":", "\\:")
+
+
+def unescape(name: str) -> str:
+    """A name or spec with its backslash escapes resolved: ``"d\\:relu"`` is ``"d:relu"``."""
+    return _ESCAPED.sub(r"\1", name)
+
+
+def _rsplit_op(name: str) -> tuple[str, str] | None:
+    """``name`` split at its last colon that no backslash escapes, or None."""
+    end = len(name)
+    while (i := name.rfind(":", 0, end)) >= 0:
+        slashes = i - len(name[:i].rstrip("\\"))
+        if slashes % 2 == 0:
+            return name[:i], name[i + 1 :]
+        end = i
+    return None
 
 
 def wrapped_child(module: nn.Module) -> str | None:
@@ -62,6 +101,7 @@ def wrapped_child(module: nn.Module) -> str | None:
 class _Layer(NamedTuple):
     module: nn.Module
     raw: str  # the name named_modules() gives, wrapper segments included
+    plain: str  # the canonical name unescaped: what patterns are matched against, with `raw`
 
 
 def _index(model: nn.Module) -> dict[str, _Layer]:
@@ -76,11 +116,11 @@ def _index(model: nn.Module) -> dict[str, _Layer]:
         elif holds[parent] == last:  # the wrapped model takes its wrapper's name
             name = canonical[parent]
         else:
-            name = f"{canonical[parent]}.{last}" if canonical[parent] else last
+            name = f"{canonical[parent]}.{escape(last)}" if canonical[parent] else escape(last)
         canonical[raw] = name
         holds[raw] = wrapped_child(module)
         if holds[raw] is None:
-            layers.setdefault(name, _Layer(module, raw))
+            layers.setdefault(name, _Layer(module, raw, unescape(name) if "\\" in name else name))
     return layers
 
 
@@ -95,19 +135,23 @@ def named_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def _aliases(index: dict[str, _Layer]) -> dict[str, str]:
     names = {layer.raw: name for name, layer in index.items()}
+    names.update((layer.plain, name) for name, layer in index.items() if layer.plain not in names)
     names.update((name, name) for name in index)  # a canonical name wins over an equal raw name
     return names
 
 
 def aliases(model: nn.Module) -> dict[str, str]:
-    """Every name a layer may be given by (canonical, or as ``named_modules()`` has it) -> canonical."""
+    """Every name a layer may be given by (canonical, unescaped, or as ``named_modules()`` has it) -> canonical."""
     return _aliases(_index(model))
 
 
 def _glob_to_regex(glob: str) -> re.Pattern[str]:
     out, i = [], 0
     while i < len(glob):
-        if glob.startswith("**.", i):  # any number of leading segments, including none
+        if glob[i] == "\\" and i + 1 < len(glob):  # an escaped character is itself
+            out.append(re.escape(glob[i + 1]))
+            i += 2
+        elif glob.startswith("**.", i):  # any number of leading segments, including none
             out.append(r"(?:.*\.)?")
             i += 3
         elif glob.startswith(".**", i) and i + 3 == len(glob):
@@ -136,7 +180,17 @@ def _glob_to_regex(glob: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(glob[i]))
             i += 1
-    return re.compile("".join(out))
+    return _compile("".join(out), glob, "glob")
+
+
+def _compile(pattern: str, spec: str, what: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ArgumentError(
+            f"{what} {spec!r} is not a valid pattern ({e}): fix it, or put a backslash before each "
+            r"special character meant literally (r'\(', r'\['); a module's exact name needs none"
+        ) from None
 
 
 class OpName(NamedTuple):
@@ -150,13 +204,13 @@ class OpName(NamedTuple):
 def split_op(name: str) -> OpName | None:
     """The parts of an op name as `select` returns it, or ``None`` for a module name.
 
-    >>> split_op("layer1.0:relu#2"), split_op("layer1.0")
-    (OpName(module='layer1.0', op='relu', call=2), None)
+    >>> split_op("layer1.0:relu#2"), split_op("layer1.0"), split_op(r"d\\:relu")
+    (OpName(module='layer1.0', op='relu', call=2), None, None)
     """
-    module, sep, op = name.rpartition(":")
-    if not sep or not _OP.fullmatch(op):
+    parts = _rsplit_op(name)
+    if parts is None or not _OP.fullmatch(parts[1]):
         return None
-    op, _, call = op.partition("#")
+    module, (op, _, call) = parts[0], parts[1].partition("#")
     return OpName(module, op, int(call) if call else None)
 
 
@@ -175,10 +229,10 @@ def _op_spec(spec: Spec) -> tuple[ModuleSpec, str] | None:
     if not isinstance(spec, str):
         return None
     prefix, body = ("re:", spec[3:]) if spec.startswith("re:") else ("", spec)
-    module, sep, op = body.rpartition(":")
-    if not sep or not _OP.fullmatch(op) or (prefix and not module):
+    parts = _rsplit_op(body)
+    if parts is None or not _OP.fullmatch(parts[1]) or (prefix and not parts[0]):
         return None
-    return prefix + module, op
+    return prefix + parts[0], parts[1]
 
 
 def _describe(spec: Spec) -> str:
@@ -209,7 +263,7 @@ def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model") -> 
         classes = sorted({type(m).__name__ for m in layers.values()})
         msg += f"; module classes present: {', '.join(classes[:20])}"
     elif isinstance(spec, str):
-        close = _closest(spec.removeprefix("re:"), layers)
+        close = _closest(unescape(spec.removeprefix("re:")), layers)
         if close:
             msg += f". Closest names: {', '.join(close)}"
         msg += ". See every name with layertap.summary(model, example_input) or list(dict(model.named_modules()))"
@@ -225,7 +279,7 @@ def _matcher(spec: ModuleSpec) -> Callable[[str, nn.Module], bool]:
         return lambda _name, m: isinstance(m, spec)
     if isinstance(spec, str):
         if spec.startswith("re:"):
-            return _matcher(re.compile(spec[3:]))
+            return _matcher(_compile(spec[3:], spec, "regex"))
         pattern = _glob_to_regex(spec)  # exact names never get here: `select` looks them up
         return lambda name, _m: pattern.fullmatch(name) is not None
     if callable(spec):
@@ -237,7 +291,7 @@ def _matcher(spec: ModuleSpec) -> Callable[[str, nn.Module], bool]:
 
 
 def _is_name(spec: ModuleSpec) -> TypeGuard[str]:
-    return isinstance(spec, str) and not spec.startswith("re:") and not any(c in spec for c in "*?[")
+    return isinstance(spec, str) and not spec.startswith("re:") and not _GLOB.search(spec)
 
 
 def _specs(layers: Layers) -> list[Spec]:
@@ -275,18 +329,20 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
     names = _aliases(index)
 
     def hits(spec: ModuleSpec) -> set[str]:
-        if _is_name(spec):
-            # an exact name, with or without wrapper segments; only a name selects the root ("")
-            found = {names[spec]} if spec in names else set()
+        if isinstance(spec, str) and spec in names:  # an exact name wins over a glob's reading
+            found = {names[spec]}
+        elif _is_name(spec):
+            # a name with escapes, with or without wrapper segments; only a name selects the root ("")
+            found = {names[unescape(spec)]} if unescape(spec) in names else set()
         else:
             match = _matcher(spec)
-            # a pattern matches the canonical name or, for strings and regexes, the name as
-            # named_modules() gives it
-            raw_too = isinstance(spec, (str, re.Pattern))
+            # a glob or regex matches the name unescaped or as named_modules() gives it; a class
+            # or predicate is given the canonical name
+            pattern = isinstance(spec, (str, re.Pattern))
             found = {
                 name
-                for name, (module, raw) in index.items()
-                if name and (match(name, module) or (raw_too and raw != name and match(raw, module)))
+                for name, (module, raw, plain) in index.items()
+                if name and (match(plain if pattern else name, module) or (pattern and raw != plain and match(raw, module)))
             }
         if not found:
             raise not_found(spec, {name: layer.module for name, layer in index.items()})
@@ -295,7 +351,8 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
     chosen: set[str] = set()
     ops: dict[str, list[str]] = {}  # module name -> ops chosen on it, in the order given
     for spec in specs:
-        op_spec = _op_spec(spec)
+        # a module's exact name is that module, though it reads as an op spec ("d:relu")
+        op_spec = None if isinstance(spec, str) and spec in names else _op_spec(spec)
         if op_spec is None:
             assert not isinstance(spec, tuple)  # pairs are op specs
             chosen |= hits(spec)
@@ -317,4 +374,7 @@ def resolve(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
     return {name: all_layers[owner(name)] for name in names}
 
 
-__all__ = ["select", "named_layers", "aliases", "wrapped_child", "resolve", "split_op", "owner", "OpName", "Spec", "Layers"]
+__all__ = [
+    "select", "named_layers", "aliases", "wrapped_child", "resolve", "split_op", "owner", "escape", "unescape",
+    "OpName", "Spec", "Layers",
+]

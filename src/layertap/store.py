@@ -22,19 +22,21 @@ after every chunk.
 This module owns a store's lifecycle and its trust boundary:
 
 - `open_or_create` is the only way in for a writer: it takes the store's lock, checks what is
-  at the path, resumes, refuses or overwrites (a layertap store only), and creates;
-- one writer at a time: a lock (``fcntl`` on local disks, a lease object in object stores) makes
-  a second extraction of the same store stop with the holder's name;
+  at the path, resumes, refuses or overwrites (what layertap wrote only), and creates;
+- one writer at a time: a lock (a record lock on local disks, keyed on the file an HDF5 path
+  resolves to; a lease object in object stores) makes a second extraction of the same store
+  stop with the holder's name, and a killed holder's lock is taken over at once;
 - a store is data, never code: its metadata is checked field by field, every path in it must
   stay inside the store (no ``..``, absolute paths, or symlinks out), HDF5 external links and
   external storage are refused, Zarr arrays must use plain codecs (no pickle), and NumPy files
   are read without pickle.
 
->>> import torch, torchvision, layertap
+>>> import os, tempfile, torch, torchvision, layertap
 >>> model = torchvision.models.resnet18()
 >>> images = torch.randn(8, 3, 64, 64)
->>> store = layertap.extract_dataset(model, images, "avgpool", "/tmp/doc.zarr", overwrite=True, progress=False)
->>> feats = layertap.open_features("/tmp/doc.zarr")
+>>> out = os.path.join(tempfile.mkdtemp(), "features.zarr")
+>>> store = layertap.extract_dataset(model, images, "avgpool", out, progress=False)
+>>> feats = layertap.open_features(out)
 >>> feats["avgpool"].shape, feats.ids[:3].tolist()
 ((8, 512, 1, 1), [0, 1, 2])
 """
@@ -50,6 +52,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -62,6 +65,7 @@ import torch
 
 from .data import Failure
 from .errors import StoreError, StoreLockedError, require
+from .printable import printable
 from .tables import Table
 from .units import human_bytes
 
@@ -71,6 +75,8 @@ _SUFFIX_FORMATS = {".zarr": "zarr", ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _ARRAY_PATH = re.compile(r"features/[A-Za-z0-9_-][A-Za-z0-9._-]*(/[0-9]+)?")
+_ZARR_META = re.compile(r"zarr(\.json|\.[0-9a-f]{32}\.partial)")  # a partial file: one Zarr was writing
+_ZARR_PARTIAL = re.compile(r"[0-9]+\.[0-9a-f]{32}\.partial")
 _ZARR_CODECS = {"bytes", "blosc", "vlen-utf8", "zstd", "gzip", "crc32c", "transpose"}  # plain data: no pickle
 LOCK = ".layertap.lock"
 
@@ -363,6 +369,25 @@ class _Backend:
     def check(self) -> None:
         """Refuse a store whose files or arrays lead outside it or hold code (per format)."""
 
+    def foreign(self, meta: Mapping) -> list[str]:
+        """What the store holds that layertap did not write (a user's notes, plots...), which
+        removing the store would lose: the top-most such entries, folders ending in ``/``."""
+        arrays, groups = _names(meta)
+        return _foreign_entries(self.path, lambda rel, is_dir: self._is_ours(rel, is_dir, arrays, groups))
+
+    def _is_ours(self, rel: str, is_dir: bool, arrays: set[str], groups: set[str]) -> bool:
+        """Whether the entry ``rel`` of a store folder is one this format writes (for a store of
+        these arrays and groups), a leftover temporary file of a killed write included."""
+        raise NotImplementedError
+
+    def is_text(self, array: Any) -> bool:
+        """Whether ``array`` (one of this store's) holds text."""
+        return np.dtype(array.dtype).kind in "UT"
+
+    def kind(self, array: Any) -> str:
+        """What ``array`` holds, for people."""
+        return f"{array.dtype} values"
+
     def sync(self) -> None:
         """Hand everything written so far to the disk, and raise if it did not take it."""
 
@@ -386,6 +411,36 @@ class _ZarrBackend(_Backend):
     def check(self) -> None:
         if not is_url(self.path):
             _check_no_links_out(Path(self.path))
+
+    def foreign(self, meta: Mapping) -> list[str]:
+        found = super().foreign(meta)
+        arrays, groups = _names(meta)
+        for name in ["", *sorted(arrays | groups | {self.MARKERS})]:  # attributes someone added
+            try:
+                node = self.root[name] if name else self.root
+            except Exception:  # not there (a half-made store), or not Zarr: its files are judged above
+                continue
+            theirs = [a for a in node.attrs.asdict() if name or a != "layertap"]
+            found += [f"attribute {a!r}" + (f" of {name!r}" if name else "") for a in theirs]
+        return found
+
+    def _is_ours(self, rel: str, is_dir: bool, arrays: set[str], groups: set[str]) -> bool:
+        parts = rel.split("/")
+        for k in range(1, min(len(parts), 3) + 1):  # an array's path has at most 3 parts
+            if "/".join(parts[:k]) in arrays or parts[:k] == [self.MARKERS]:
+                rest = parts[k:]
+                if not rest:
+                    return is_dir  # the array's folder
+                if rest[0] != "c":
+                    return len(rest) == 1 and not is_dir and _ZARR_META.fullmatch(rest[0]) is not None
+                pieces = rest[1:]  # c/0/0/...: a chunk file, or the folders it is in
+                if not all(p.isascii() and p.isdigit() for p in pieces[:-1]):
+                    return False
+                return not pieces or (pieces[-1].isascii() and pieces[-1].isdigit()) or (not is_dir and _ZARR_PARTIAL.fullmatch(pieces[-1]) is not None)
+        parent, _, name = rel.rpartition("/")
+        if is_dir:
+            return rel in groups
+        return rel == LOCK or ((parent == "" or parent in groups) and _ZARR_META.fullmatch(name) is not None)
 
     def read_meta(self) -> dict | None:
         return self.root.attrs.asdict().get("layertap")
@@ -508,6 +563,18 @@ class _HDF5Backend(_Backend):
         if found:
             raise _bad(self.path, found)
 
+    def foreign(self, meta: Mapping) -> list[str]:
+        """The file's arrays, groups and attributes that layertap did not write."""
+        arrays, groups = _names(meta)
+        ours = arrays | groups | {self.MARKERS, self.DONE}
+        names: list[str] = []
+        self.file.visit_links(names.append)  # every name, links included, none followed
+        found = [f"attribute {a!r}" for a in self.file.attrs if a != "layertap"] + [n for n in names if n not in ours]
+        for name in names:
+            if name in ours and isinstance(self.file.get(name, getlink=True), self.h5py.HardLink):
+                found += [f"attribute {a!r} of {name!r}" for a in self.file[name].attrs]
+        return found
+
     def read_meta(self) -> dict | None:
         text = self.file.attrs.get("layertap")
         if text is None:
@@ -540,6 +607,14 @@ class _HDF5Backend(_Backend):
         if found.chunks is not None and found.id.get_storage_size() < found.size * found.dtype.itemsize and found.dtype.kind != "O":
             raise _bad(self.path, f"array {name!r} has no storage for all its rows (a layertap HDF5 store allocates it all)")
         return found
+
+    def is_text(self, array: Any) -> bool:
+        return self.h5py.check_string_dtype(array.dtype) is not None
+
+    def kind(self, array: Any) -> str:
+        if self.h5py.check_ref_dtype(array.dtype) is not None:
+            return "HDF5 object references"
+        return "HDF5 variable-length objects" if array.dtype.kind == "O" else super().kind(array)
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
         self.file[name][start : start + len(data)] = data
@@ -604,6 +679,16 @@ class _NpyBackend(_Backend):
 
     def check(self) -> None:
         _check_no_links_out(self.path)
+
+    def _is_ours(self, rel: str, is_dir: bool, arrays: set[str], groups: set[str]) -> bool:
+        if is_dir:
+            return rel in groups or rel == self.MARKERS
+        parent, _, name = rel.rpartition("/")
+        if rel.endswith(".npy"):
+            return rel.removesuffix(".npy") in arrays
+        if parent == self.MARKERS:  # a marker, or one a killed run was writing (see _replace)
+            return re.fullmatch(r"\.?[0-9]+\.json(\.[0-9]+\.tmp)?", name) is not None
+        return rel in (LOCK, self.META) or re.fullmatch(rf"\.{re.escape(self.META)}\.[0-9]+\.tmp", rel) is not None
 
     def _file(self, name: str) -> Path:
         return _check_inside(self.path, self.path / f"{name}.npy", name)
@@ -754,6 +839,35 @@ def _open_backend(path: Location, mode: str, format: str | None = None, *, half_
     return backend, meta
 
 
+def _names(meta: Mapping) -> tuple[set[str], set[str]]:
+    """The paths of the arrays (features, ids, labels) and groups that a store of ``meta`` holds;
+    of a damaged store's metadata, only paths of the form layertap writes."""
+    arrays = {a["path"] for a in meta.get("arrays") or [] if isinstance(a, dict) and isinstance(a.get("path"), str) and _ARRAY_PATH.fullmatch(a["path"])}
+    return arrays | {"ids", "labels"}, {"features"} | {a.rpartition("/")[0] for a in arrays}
+
+
+def _foreign_entries(path: Location, ours: Callable[[str, bool], bool]) -> list[str]:
+    """The top-most entries under the folder (or object-store prefix) ``path`` that are not
+    ``ours(relative path, is a folder)``, folders ending in ``/``. Symlinks are never followed."""
+    if isinstance(path, str):
+        fs, inner = url_fs(path)
+        inner = inner.rstrip("/")
+        listed = fs.find(inner, withdirs=True, detail=True)
+        entries = [(name[len(inner) + 1 :], info["type"] == "directory") for name, info in listed.items() if name.rstrip("/") != inner]
+        found = {rel: is_dir for rel, is_dir in entries if not ours(rel, is_dir)}
+        return [rel + "/" * d for rel, d in sorted(found.items()) if not any(found.get("/".join(rel.split("/")[:k])) for k in range(1, rel.count("/") + 1))]
+    foreign = []
+    for folder, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            entry = Path(folder, name)
+            rel, is_dir = entry.relative_to(path).as_posix(), name in dirs and not entry.is_symlink()
+            if not ours(rel, is_dir):
+                foreign.append(rel + "/" * is_dir)
+                if name in dirs:
+                    dirs.remove(name)  # not looked into: everything in it is the user's
+    return sorted(foreign)
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
@@ -775,8 +889,8 @@ def _check_arrays(backend: _Backend, meta: dict) -> None:
         raise _bad(path, f"its ids hold {list(ids.shape)} entries, not {n} samples")
     if meta["ids"] == "index" and not _is_numeric(ids.dtype):
         raise _bad(path, "its ids are not indices, as its metadata says")
-    if meta["ids"] == "path" and _is_numeric(ids.dtype):
-        raise _bad(path, "its ids are not paths, as its metadata says")
+    if meta["ids"] == "path" and not backend.is_text(ids):
+        raise _bad(path, f"its ids are not paths (text) as its metadata says, but {backend.kind(ids)}")
     expected = [(s.path, (rows, *s.shape), np.dtype(s.dtype)) for s in _specs(meta)]
     if meta["labels"] is not None:
         expected.append(("labels", (rows,), np.dtype(meta["labels"])))
@@ -820,11 +934,15 @@ def _check_arrays(backend: _Backend, meta: dict) -> None:
 class StoreLock:
     """One writer per store: an exclusive lock that names its holder (host, pid, start time).
 
-    On a local disk it is an ``fcntl`` lock on a file inside the store (beside it, for an HDF5
-    file): the system drops it when its process ends, however it ends, so a killed run's lock
-    is never in the way. In an object store, where nothing locks, it is a lease object that
-    the holder renews while it writes: a lease whose holder is gone from this host, or which
-    has expired, is taken over.
+    On a local disk it is a POSIX record lock (``fcntl.lockf``) on a file inside the store, or
+    for an HDF5 file beside the file its path resolves to (symlinks followed), so every path
+    to one file meets one lock, whatever HDF5's own locking is set to. A record lock belongs to
+    its process: the system drops it when the process ends, however it ends, and a child
+    (a data-loader worker forked while it is held) never holds it. A run that finds the lock
+    of a holder that ended without releasing it (killed) takes it over, with a warning naming
+    that process. In an object store, where nothing locks, it is a lease object that the
+    holder renews while it writes: a lease whose holder is gone from this host, or which has
+    expired, is taken over.
     """
 
     LEASE = 600.0  # seconds an object-store lease lasts without renewal
@@ -838,30 +956,29 @@ class StoreLock:
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         self._fd: int | None = None
+        self._key = (-1, -1)  # the lock file's (device, inode), once held
         self._renewed = 0.0
         if str(path).startswith("file://"):  # a local disk behind a URL: lock it as one
             path = Path(str(path).removeprefix("file://"))
         if is_url(path):
             self.file: Location = f"{str(path).rstrip('/')}/{LOCK}"
+        elif format == "hdf5":  # beside the file itself: a symlink to it meets the same lock
+            real = Path(os.path.realpath(path))
+            self.file = real.with_name(f".{real.name}{LOCK}")
         else:
-            path = Path(path)
-            self.file = path.with_name(f".{path.name}{LOCK}") if format == "hdf5" else path / LOCK
+            self.file = Path(path) / LOCK
 
     def acquire(self) -> StoreLock:
         if is_url(self.file):
             self._take_lease()
         else:
-            self._lock_file(Path(self.file))
+            with _HELD_GUARD:
+                self._lock_file(Path(self.file))
         return self
 
     def _held_by(self, text: str) -> StoreLockedError:
-        try:
-            owner = json.loads(text)
-            who = f"process {int(owner['pid'])} on {owner['host']}, since {owner['started']}"
-        except (ValueError, KeyError, TypeError):
-            who = "another process"
         return StoreLockedError(
-            f"{self.path} is being written by another extraction ({who}): wait for it to end or stop it; "
+            f"{self.path} is being written by another extraction ({_holder(text)}): wait for it to end or stop it; "
             "a store takes one writer at a time"
         )
 
@@ -870,16 +987,25 @@ class StoreLock:
 
         file.parent.mkdir(parents=True, exist_ok=True)
         while True:
+            # a lock this process holds: a record lock would grant it again, and closing a second
+            # descriptor of the file would drop it, so it is refused before the file is opened
+            with contextlib.suppress(OSError):
+                st = os.stat(file, follow_symlinks=False)
+                if (held := _HELD.get((st.st_dev, st.st_ino))) is not None and held.owner["pid"] == os.getpid():
+                    raise self._held_by(json.dumps(held.owner))
             try:  # never through a symlink: it could point at any file, which the owner line would overwrite
-                fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+                fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
             except OSError as e:
                 raise StoreError(f"cannot use {file} as the lock of {self.path} ({_one_line(e)}): remove it (a lock is a plain file)") from e
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise StoreError(f"{file}, the lock of {self.path}, is not a plain file: remove it")
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    os.close(fd)
+                    raise StoreError(f"cannot lock {file}, the lock of {self.path} ({_one_line(e)}): write the store on a disk that supports locks") from e
                 text = os.pread(fd, 4096, 0).decode(errors="replace")
                 os.close(fd)
                 raise self._held_by(text) from None
@@ -890,9 +1016,20 @@ class StoreLock:
             if same:
                 break
             os.close(fd)  # its last holder removed the file as we opened it: lock the new one
+        left = os.pread(fd, 4096, 0)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(self.owner).encode(), 0)
         self._fd = fd
+        info = os.fstat(fd)
+        self._key = (info.st_dev, info.st_ino)
+        _HELD[self._key] = self
+        if left:  # a holder releases by removing the file: this one's ended without (killed)
+            warnings.warn(
+                # the holder's text is read from the lock file: escaped before it reaches a terminal
+                printable(f"{self.path}: its last writer ({_holder(left.decode(errors='replace'))}) ended without releasing "
+                "the store's lock (killed?); this run takes the lock over"),
+                stacklevel=2,
+            )
 
     def _take_lease(self) -> None:
         fs, inner = url_fs(str(self.file))
@@ -928,15 +1065,32 @@ class StoreLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.file)  # while still held: the next writer locks a new file
-            os.close(self._fd)
-            self._fd = None
+            with _HELD_GUARD:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, 0)  # no owner line left: the next writer sees a clean release
+                with contextlib.suppress(OSError):
+                    os.unlink(self.file)  # while still held: the next writer locks a new file
+                os.close(self._fd)
+                _HELD.pop(self._key, None)
+                self._fd = None
         elif is_url(self.file) and self._renewed:
             fs, inner = url_fs(str(self.file))
             with contextlib.suppress(OSError, FileNotFoundError):
                 fs.rm(inner)
             self._renewed = 0.0
+
+
+_HELD: dict[tuple[int, int], StoreLock] = {}  # (device, inode) of the lock files this process holds
+_HELD_GUARD = threading.Lock()
+
+
+def _holder(text: str) -> str:
+    """Who a lock file's owner line names, for people."""
+    try:
+        owner = json.loads(text)
+        return f"process {int(owner['pid'])} on {owner['host']}, since {owner['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def _alive(pid: int) -> bool:
@@ -1006,7 +1160,8 @@ def open_or_create(
         format: the format asked for (``None``: the existing store's, or by suffix).
         meta: the new store's metadata; its ``"settings"`` must equal a store's to resume it.
         resume: continue a store with the same settings (its missing chunks only).
-        overwrite: replace whatever layertap store is at ``out`` (never anything else).
+        overwrite: replace the layertap store at ``out``; one that holds anything layertap did
+            not write (a user's files beside its arrays) is refused, naming it (`remove_store`).
         layout: called only when a new store is made, for its arrays and size.
         say: where the size estimate is told.
 
@@ -1274,7 +1429,9 @@ class StoreWriter:
 
 
 def remove_store(path: str | Path) -> None:
-    """Delete the layertap store at ``path``; refuse anything else, so no user data is lost.
+    """Delete the layertap store at ``path``: what layertap wrote in it, when that is all it
+    holds. Anything else (not a store; a user's notes or plots in the folder; arrays or
+    attributes added to the HDF5 file) is refused, naming it, and nothing is deleted.
 
     The store's lock file stays: the writer that holds it is the one removing the store.
     """
@@ -1282,17 +1439,25 @@ def remove_store(path: str | Path) -> None:
     if not occupied(path):
         return
     format = detect_format(path)
-    meta = None
+    meta, foreign = None, []
     if format:
         backend = _BACKENDS[format](path, "r")
         try:
             meta = backend.read_meta()
+            if isinstance(meta, dict) and "layertap_store" in meta:
+                foreign = backend.foreign(meta)
         except StoreError:
             meta = None
         finally:
             backend.close()
     if not isinstance(meta, dict) or "layertap_store" not in meta:
         raise StoreError(f"{path} exists and is not a layertap feature store: choose another output path")
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise StoreError(
+            f"{path} holds what layertap did not write ({', '.join(map(repr, foreign[:5]))}{more}), which replacing the "
+            "store would delete: move that out of it, or write to another path"
+        )
     if isinstance(path, str):
         fs, inner = url_fs(path)
         for entry in fs.ls(inner, detail=False):
@@ -1307,7 +1472,9 @@ def remove_store(path: str | Path) -> None:
             else:
                 entry.unlink()  # a symlink is removed, never what it points to
     else:
-        path.unlink()
+        # the file itself, where a symlink leads: the new store is made there (through the
+        # link), beside the lock that every path to the file meets
+        Path(os.path.realpath(path)).unlink()
 
 
 # -------------------------------------------------------------------------------- reading
@@ -1321,7 +1488,7 @@ class FeatureStore(Mapping[str, Any]):
     notebook shows its arrays, how complete it is and how many samples failed.
 
     >>> import layertap
-    >>> feats = layertap.open_features("/tmp/doc.zarr")       # doctest: +SKIP
+    >>> feats = layertap.open_features("features.zarr")       # doctest: +SKIP
     >>> x = feats.to_numpy("avgpool"); y = feats.labels        # doctest: +SKIP
     """
 
@@ -1391,9 +1558,11 @@ class FeatureStore(Mapping[str, Any]):
         """Which rows hold features: ``True`` for every sample that was read and written, ``False``
         for samples that could not be read (`failed`) and for chunks not yet written.
 
-        >>> import layertap
-        >>> feats = layertap.open_features("/tmp/doc.zarr")
-        >>> good = feats.to_numpy("avgpool")[feats.valid]  # the rows to analyse
+        >>> import os, tempfile, torch, layertap
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+        >>> out = os.path.join(tempfile.mkdtemp(), "features.zarr")
+        >>> feats = layertap.extract_dataset(model, torch.randn(8, 4), "0", out, progress=False)
+        >>> good = feats.to_numpy("0")[feats.valid]  # the rows to analyse
         >>> int(feats.valid.sum()), len(good)
         (8, 8)
         """
@@ -1459,8 +1628,10 @@ def open_features(path: str | Path) -> FeatureStore:
     store = FeatureStore(path)
     if not store.complete:
         warnings.warn(
-            f"the feature store {path} is incomplete (its extraction was interrupted): rows of unwritten "
-            "chunks read as NaN/0; run the same extraction again to finish it",
+            printable(
+                f"the feature store {path} is incomplete (its extraction was interrupted): rows of unwritten "
+                "chunks read as NaN/0; run the same extraction again to finish it"
+            ),
             stacklevel=2,
         )
     return store

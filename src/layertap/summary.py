@@ -38,7 +38,7 @@ from . import nested
 from .failures import explain_failures
 from .features import place_model
 from .loading import model_info
-from .select import Layers, Spec, named_layers, owner, select, split_op
+from .select import Layers, Spec, named_layers, owner, select, split_op, unescape
 from .tables import Table
 from .tap import Inputs, tap
 from .units import human_bytes
@@ -79,7 +79,8 @@ class LayerRow:
 
 
 class LayerTable(Sequence):
-    """The rows of `summary`, in execution order; index by position or by layer name.
+    """The rows of `summary`, in execution order; index by position or by layer name (as shown,
+    or as the module has it: see `layertap.select` for the names shown escaped).
 
     Prints as an aligned text table, renders as HTML in a notebook, converts with `to_dicts`
     and `to_json`.
@@ -100,8 +101,9 @@ class LayerTable(Sequence):
     def __getitem__(self, key: slice) -> list[LayerRow]: ...
     def __getitem__(self, key):
         if isinstance(key, str):
-            for row in self.rows:
-                if row.name == key:
+            # the name as shown, else as the module has it (``"d:relu"`` is shown ``"d\\:relu"``)
+            for row in sorted(self.rows, key=lambda row: row.name != key):
+                if key in (row.name, unescape(row.name)):
                     return row
             shown = ", ".join(self.names[:10]) + (", ..." if len(self) > 10 else "")
             raise KeyError(f"no layer {key!r} in this summary; its layers: {shown}")

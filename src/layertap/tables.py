@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .printable import printable
+
 
 class Html(str):
     """A cell that is HTML already (made here, from numbers): put in as it is, not escaped."""
@@ -51,16 +53,17 @@ class Table:
 
     def text(self) -> str:
         """Aligned columns, two spaces apart, with the title, facts and notes as lines."""
-        lines = [list(self.columns), *map(list, self.rows)]
+        # names come from models and files: escaped, so a name can neither send a terminal escape nor fake a row
+        lines = [[printable(c) for c in line] for line in [self.columns, *self.rows]]
         widths = [max(len(line[i]) for line in lines) for i in range(len(self.columns))]
         right = [c in self.numeric for c in self.columns]
         body = [
             "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(line, widths, right)).rstrip()
             for line in lines
         ]
-        head = [self.title] if self.title else []
-        head += [f"{label}: {value}" for label, value in self.facts]
-        return "\n".join([*head, *body, *self.notes])
+        head = [printable(self.title)] if self.title else []
+        head += [printable(f"{label}: {value}") for label, value in self.facts]
+        return "\n".join([*head, *body, *map(printable, self.notes)])
 
     def html(self) -> str:
         """One ``<div>``: the title, a table of the facts, the rows, and the notes as caption."""

@@ -11,28 +11,52 @@ How values are kept correct and cheap:
 
 - Inputs are captured in a forward *pre*-hook, before an in-place module (``ReLU(inplace=True)``)
   overwrites them; outputs in a forward hook.
-- Gradients come from ``Tensor.register_hook`` on the layer's output (and input) tensors, never
-  from full backward hooks, which break when an in-place op follows the layer. Three kinds of
-  tensor need care. A view (``nn.Linear`` on a 3-D input returns one) that is later changed in
-  place gets a new history without the hooks on it, so the hook goes on a no-op identity that
-  is not a view: the same memory and version counter, no copy. A leaf (the caller's input, a
-  parameter) would keep a hook after the tap is gone and run it at every later backward, so the
-  hook goes on a view of it made by this forward (a leaf that requires grad cannot be changed in
-  place, nor can its views). Any other tensor the model was given is hooked as it is, so that
-  an in-place op on it keeps its history, and that hook is removed when the ``with`` block
-  ends. A gradient kept as it came is copied: if it flows on unchanged into a leaf, it becomes
-  that leaf's ``.grad``, which later backwards add to in place. Only gradient taps pay for this.
-- A stored tensor that shares memory with the network's own activation could be overwritten by
-  a later in-place op (ResNet's ``out += identity`` after ``bn3``). The first time a call of a
+- One definition of a gradient. ``grad`` is the gradient that flows back through the layer's
+  output edge (into what the layer returned, from what reads it downstream), ``grad_input`` the
+  one that flows into its input through the layer alone: what ``register_full_backward_hook``
+  calls ``grad_output`` and ``grad_input``. A tensor's own gradient is the sum over all its
+  reads, so a hook on the tensor itself is wrong wherever it is read elsewhere too: ResNet's
+  block input, read by the shortcut as well; an ``nn.Identity``, whose output is its input; a
+  layer that returns ``h`` and also reads it (``return h, head(h)``). So each hook goes on a
+  tensor that carries only its edge: the layer is given, in its forward pre-hook, a no-op
+  identity of each input (``_Alias``: not a view, the same memory and version counter, no copy),
+  and returns downstream such an identity of each output. A leaf (the caller's input, a
+  parameter) gets a view instead: a hook on it would outlive the tap, and neither it nor its
+  views can be changed in place. A tensor that needs no gradient gets an identity of a new leaf.
+  All are made by this forward, so their hooks go with its graph: nothing stays on the caller's
+  tensors. The exception: an input the layer changed in place and returned (``ReLU(inplace=True)``)
+  is hooked as it is, as every later read of it reads the output (``relu_(x)`` used as a
+  statement still gets its gradient).
+- Gradients come from ``Tensor.register_hook``, never from full backward hooks, which wrap
+  inputs and outputs in views that break when an in-place op follows the layer. A hook on a
+  tensor changed in place later still receives the gradient of the value it had (fact 9); a
+  view would lose it, hence identities rather than views. A layer that changes its input in
+  place changes it through the identity, so the caller's tensor would hold the new values with
+  the old history: after the call the tap gives it the layer's history, by ``copy_`` from the
+  identity, which moves no data (the same memory), and sets the version counter back, as the
+  values saved for backward did not change. The one case left: a later in-place op on what a
+  layer returned while the tensor it came from is read again after that op (a layer returning
+  its input, itself read again later); that read misses the in-place op's gradient. A gradient
+  kept as it came is copied: if it flows on unchanged into a leaf, it becomes that leaf's
+  ``.grad``, which later backwards add to in place. Only gradient taps pay for any of this (an
+  identity per tapped tensor, about what a full backward hook costs); output capture alone
+  adds nothing.
+- A stored tensor that shares memory with the network's own activation could be overwritten by a
+  later in-place op (ResNet's ``out += identity`` after ``bn3``). The first time a call of a
   layer is seen, its value is copied and the original's version counter watched; later forwards
   copy only the calls whose activation really was changed in place, and keep a version guard on
   the others: reading a value that was changed after capture raises instead of returning wrong
-  numbers. What is learned is kept per layer *and call position within a forward* (a block
-  called twice may be changed in place after its second call only), and shared by later taps
-  of the same module. A reduction, cast or device move already makes a fresh tensor, which is
-  never copied again. Tensors made under ``torch.inference_mode()`` have no version counter,
-  so there every shared value is copied, as for a call outside a forward of the tapped model
-  (a submodule called on its own): run taps under ``torch.no_grad()`` to hold less memory.
+  numbers (with ``keep="all"`` that entry alone reads ``None``, with a warning, and the others
+  read as usual). A guard found moved when the forward ends is learned then, so the next forward
+  copies. ``copy=`` names layers that are always copied, never guarded: nothing of theirs can be
+  lost. ``keep="last"`` warns once for a layer that runs more than once per forward (a shared
+  ``ReLU``), whose earlier calls it drops. What is learned is kept per layer *and call position
+  within a forward* (a block called twice may be changed in place after its second call only),
+  and shared by later taps of the same module. A reduction, cast or device move already makes a
+  fresh tensor, which is never copied again. Tensors made under ``torch.inference_mode()`` have
+  no version counter, so there every shared value is copied, as for a call outside a forward of
+  the tapped model (a submodule called on its own): run taps under ``torch.no_grad()`` to hold
+  less memory.
 - Copies reuse memory. A tap kept open, or re-entered batch after batch, would otherwise
   allocate every copy anew at each forward (680 MB for every conv and BN of a resnet50 at batch
   8 under inference_mode), memory the allocator may hand back and fault in again. So when a
@@ -84,6 +108,7 @@ import contextlib
 import functools
 import itertools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -95,8 +120,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from . import nested
-from .controls import Reduce, make_transform, shares_memory
-from .errors import LayerNotFoundError, LayerNotRunError, LayertapError, TapError
+from .controls import DType, Reduce, make_transform, shares_memory
+from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, LayertapError, TapError
 from .select import Layers, aliases, named_layers, not_found, owner, select, split_op, wrapped_child
 from .tables import Table
 from .units import human_bytes
@@ -217,6 +242,60 @@ class _Alias(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    """Set the version counter ``t`` shares (private API; its signature changed in PyTorch 2.5)."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        raise TapError(
+            "capture='grad_input' of a layer that changes its input in place needs PyTorch >= 2.3: "
+            "upgrade torch, or tap the layer before it with capture='grad'"
+        )
+    try:
+        setter((t,), (version,))
+    except TypeError:
+        setter(t, version)
+
+
+class _Call:
+    """One running call of a layer whose gradients are tapped: the versions of the tensors it was
+    given (by id), and the inputs replaced by aliases, to rebase if the layer changes them in place."""
+
+    __slots__ = ("given", "swaps")
+
+    def __init__(self) -> None:
+        self.given: dict[int, int] = {}
+        self.swaps: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def saw(self, value: Any) -> None:
+        # inference tensors have no version (the tap then refuses gradients, naming the mode)
+        self.given = {id(t): t._version for t in nested.tensors(value) if not t.is_inference()}
+
+    def rebase(self) -> None:
+        """After the call: a tensor the layer changed in place through its alias gets that history too."""
+        for original, alias, version in reversed(self.swaps):  # an alias of an alias first
+            now = alias._version
+            if now != version:
+                original.copy_(alias)  # the same memory: no data moves, and original's graph now runs through the layer
+                _set_version(original, now)  # copy_ counted as a write; the values saved for backward are unchanged
+        self.swaps.clear()
+
+
+def _hookable(t: torch.Tensor, kind: str, call: _Call) -> torch.Tensor:
+    """The tensor to hook for the gradient on one edge of a layer, used downstream of the hook in
+    place of ``t`` (see the module docstring: the gradient of that edge alone, in-place safe)."""
+    if not t.requires_grad:  # nothing upstream needs a graph: a new leaf loses nothing
+        return _Alias.apply(t.detach().requires_grad_())
+    if t.grad_fn is None:  # a leaf: hook a view of it, so nothing stays on the leaf
+        return t.view_as(t)
+    if kind == "grad" and call.given.get(id(t), t._version) != t._version:
+        # the layer changed its input in place and returned it: every later read of it is of the output
+        return t
+    alias = _Alias.apply(t)  # only the layer (an input) or the layer's caller (an output) reads it
+    if kind == "grad_input":
+        call.swaps.append((t, alias, alias._version))
+    return alias
 
 
 class _StopForward(Exception):
@@ -384,11 +463,12 @@ class Tap(Mapping):
         keep: Literal["last", "first", "all"] = "last",
         detach: bool = True,
         to: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: DType = None,
         reduce: Reduce = None,
         stop_early: bool = False,
         edit: Edit = None,
         observe: Observe = None,
+        copy: bool | Layers = False,
     ) -> None:
         kinds = (capture,) if isinstance(capture, str) else tuple(capture)
         unknown = [k for k in kinds if k not in KINDS]
@@ -454,6 +534,13 @@ class Tap(Mapping):
         # position within its forward is its count minus this. Only a tap that may keep a
         # tensor of the network's own needs it: a reduction always makes a fresh one
         self._learns = reduce is None and observe is None and bool({"output", "input"} & set(kinds))
+        # layers whose values are always copied, never guarded: an in-place op can lose none of them
+        self._always_copy = self._resolve_copy(copy)
+        # keep='last' warns once per layer that runs more than once per forward: the counts when
+        # the running forward began, and the layers warned about
+        self._multi: tuple[dict[str | tuple[str, int], int], set[str]] | None = (
+            ({}, set()) if keep == "last" and observe is None else None
+        )
         self._start: dict[str | tuple[str, int], int] | None = None
         self._fired: set[str] = set()
         # (kind, name, position) -> None: unknown yet, True: changed in place downstream, so copy;
@@ -461,23 +548,35 @@ class Tap(Mapping):
         # is a property of the model's code.
         self._copy: dict[tuple[str, str, int], bool | None] = {}
         self._pending: list[tuple[tuple[str, str, int], torch.Tensor, int]] = []
+        # the values guarded in the running forward: one changed by its end is copied from the next on
+        self._guarded: list[tuple[torch.Tensor, int, tuple[str, str, int]]] = []
         # the copies this tap made (by id), and the pool of those it dropped, by what fits them:
         # dropped since the running forward began, and before (freed when the next one begins)
         self._made: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self._stale: dict[tuple, list[torch.Tensor]] = {}
-        # ids of the tensors the running forward was given, whose grad_input hooks must not
-        # outlive the tap (None: grad_input is not captured)
-        self._given: set[int] | None = set() if "grad_input" in kinds else None
-        self._given_hooks: list[RemovableHandle] = []
         self._want_input = "input" in kinds
         self._want_grad_input = "grad_input" in kinds
+        self._want_grads = self._want_grad_input or "grad" in kinds
+        # (name, id(module)) -> the running calls of a layer whose gradients are tapped, innermost last
+        self._open: dict[tuple[str, int], list[_Call]] = {}
         self._only_inputs = not ({"output", "grad"} & set(kinds))
 
     def _add_aliases(self, name: str) -> None:
         module, op = owner(name), name[len(owner(name)):]  # op: "" or ":add_#2"
         for alias in self._module_aliases.get(module, [module]):
             self._aliases.setdefault(alias + op, name)
+
+    def _resolve_copy(self, copy: bool | Layers) -> set[str]:
+        if copy is True:
+            return set(self.names)
+        if copy is False or copy is None:
+            return set()
+        names = set(select(self.model, copy))
+        untapped = sorted(names - self._tapped)
+        if untapped:
+            raise ArgumentError(f"copy= names layers that are not tapped: {untapped[:3]}; add them to the tapped layers, or use copy=True")
+        return names
 
     def _resolve_edits(self, edit: Edit) -> dict[str, Callable[[str, Any], Any]]:
         if edit is None:
@@ -527,11 +626,12 @@ class Tap(Mapping):
 
     def remove(self) -> None:
         """Remove every hook now (idempotent); captured values stay readable."""
-        for handle in self._handles + self._given_hooks:
+        for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._given_hooks.clear()
+        self._open.clear()
         self._pending.clear()
+        self._guarded.clear()
         self._start = None
         self._pool, self._stale = {}, {}
         if self._restore is not None:
@@ -618,19 +718,34 @@ class Tap(Mapping):
         self._pool, self._stale = {}, self._pool  # what waited a whole forward untaken is freed
         if self._learns:
             self._start = self._calls.copy()
-        if self._given is not None:
-            self._given = {id(t) for t in nested.tensors((args, kwargs))}
-            # forget the handles of hooks whose tensor is gone, so a long loop does not pile them up
-            self._given_hooks = [h for h in self._given_hooks if h.hooks_dict_ref() is not None]
+        if self._multi is not None:
+            self._multi = (self._calls.copy(), self._multi[1])
+        self._open.clear()  # calls a raising forward left open
 
     def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         for key, original, version in self._pending:
             if self._copy.get(key) is not True:
                 self._learn(key, original._version != version)
+        for kept, version, key in self._guarded:
+            if kept._version != version:
+                self._learn(key, True)
         self._pending.clear()
+        self._guarded.clear()
         self._start = None
-        if self._given is not None:
-            self._given = set()
+        if self._multi is not None:
+            self._warn_repeats(*self._multi)
+
+    def _warn_repeats(self, start: dict[str | tuple[str, int], int], warned: set[str]) -> None:
+        """Warn once per layer that ran more than once in the forward that just ended (keep='last')."""
+        for key, count in self._calls.items():
+            runs = count - start.get(key, 0)
+            if runs > 1 and isinstance(key, str) and key not in warned:
+                warned.add(key)
+                warnings.warn(
+                    f"layertap: layer {key!r} ran {runs} times in one forward, and keep='last' keeps only "
+                    "its last call; use keep='all' for every call, or keep='first'",
+                    stacklevel=2,
+                )
 
     def _learn(self, key: tuple[str, str, int], changed: bool) -> None:
         kind, name, position = key
@@ -641,15 +756,21 @@ class Tap(Mapping):
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
         want_inputs = self._want_input or self._want_grad_input
+        grads = self._want_grads
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if name not in self._order:
                 self._order[name] = None
-            if not want_inputs:
+            if not (want_inputs or grads):
                 return None
             single = len(args) == 1 and not kwargs
             value = args[0] if single else Inputs(args, kwargs)
-            value = self._take_input(name, module, value, self._replica(module, name, value))
+            call = _Call()
+            if want_inputs:
+                value = self._take_input(name, module, value, self._replica(module, name, value), call)
+            if grads:  # what the layer is given, for its forward hook
+                call.saw(value)
+                self._open.setdefault((name, id(module)), []).append(call)
             if not self._want_grad_input:
                 return None
             return ((value,), {}) if single else (value.args, value.kwargs)
@@ -659,28 +780,35 @@ class Tap(Mapping):
     def _hook(self, name: str, tapped: bool) -> Callable:
         edit = self._edits.get(name)
         counts = tapped and not self._only_inputs
+        grads = tapped and self._want_grads
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            call = None
+            if grads:  # the call its pre-hook opened
+                calls = self._open.get((name, id(module)))
+                call = calls.pop() if calls else _Call()
+                call.rebase()
             # the edit runs first: what it returns is what flows on, is captured and gets the
             # gradient hooks (heatmaps rely on this to turn autograd on at their layer)
             new = edit(name, output) if edit is not None else None
             if new is not None:
                 output = new
             if counts:
-                taken = self._take_output(name, module, output, self._replica(module, name, output))
+                taken = self._take_output(name, module, output, self._replica(module, name, output), call)
                 if taken is not output:
                     new = taken
             return new
 
         return hook
 
-    def _take_input(self, name: str, module: nn.Module, value: Any, part: int | None = None) -> Any:
-        """Capture one call's input; returns it, with gradient hooks if ``grad_input`` is captured."""
+    def _take_input(self, name: str, module: nn.Module, value: Any, part: int | None, call: _Call, watch: bool = True) -> Any:
+        """Capture one call's input; returns it, with gradient hooks if ``grad_input`` is captured
+        (and ``watch``): the aliases it makes go to ``call``, to rebase after the call."""
         try:
             key = name if part is None else (name, part)
             index = self._next_call(key) if self._only_inputs else self._calls.get(key, 0)
-            if self._want_grad_input:
-                value = self._watch_grads("grad_input", name, index, value, part)
+            if self._want_grad_input and watch:
+                value, _ = self._watch_grads("grad_input", name, index, value, part, call)
             if self._want_input:
                 self._record("input", name, index, value, part)
         except LayertapError:
@@ -691,12 +819,13 @@ class Tap(Mapping):
             self._fire(name)
         return value
 
-    def _take_output(self, name: str, module: nn.Module, output: Any, part: int | None = None) -> Any:
-        """Capture one call's output; returns it, with gradient hooks if ``grad`` is captured."""
+    def _take_output(self, name: str, module: nn.Module, output: Any, part: int | None, call: _Call | None) -> Any:
+        """Capture one call's output; returns it, with gradient hooks if ``grad`` is captured
+        (``call``: what the call was given)."""
         try:
             index = self._next_call(name if part is None else (name, part))
             if "grad" in self._stores:
-                output = self._watch_grads("grad", name, index, output, part)
+                output, _ = self._watch_grads("grad", name, index, output, part, call or _Call())
             if "output" in self._stores:
                 self._record("output", name, index, output, part)
         except LayertapError:
@@ -722,18 +851,34 @@ class Tap(Mapping):
         module = self._layers[frame.module]
         # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)
         single = len(args) == 1 and nested.first_tensor(kwargs) is None
+        call = _Call()
         if tapped and (self._want_input or self._want_grad_input):
             value: Any = args[0] if single else Inputs(args, kwargs)
             for name in tapped:
                 self._started(name)
-                value = self._take_input(name, module, value)
+                value = self._take_input(name, module, value, None, call)
             if self._want_grad_input:
                 args, kwargs = ((value,), kwargs) if single else (value.args, value.kwargs)
+        star = f"{frame.module}:{op}#{count}" if frame.star else None
+        star_grads, star_call = None, self._calls.get(star, 0) if star is not None else 0
+        if star is not None and self._want_grad_input:
+            # before the op, which may change its input in place; kept only if it returns a tensor
+            value = args[0] if single else Inputs(args, kwargs)
+            try:
+                value, star_grads = self._watch_grads("grad_input", star, star_call, value, None, call, put=False)
+            except LayertapError:
+                raise
+            except Exception as e:
+                raise _capture_failed("input", star, module, e) from e
+            args, kwargs = ((value,), kwargs) if single else (value.args, value.kwargs)
+        if self._want_grads:
+            call.saw((args, kwargs))
         out = func(*args, **kwargs)
+        if call.swaps:
+            call.rebase()
         if not self._saw(frame.module, op, count, out):
             return out  # size(), dim(), shape: nothing to tap
-        if frame.star:
-            star = f"{frame.module}:{op}#{count}"
+        if star is not None:
             if star not in self._tapped:
                 self.names.append(star)
                 self._tapped.add(star)
@@ -741,7 +886,10 @@ class Tap(Mapping):
             tapped.append(star)
             self._started(star)
             if self._want_input or self._want_grad_input:
-                self._take_input(star, module, args[0] if single else Inputs(args, kwargs))
+                self._take_input(star, module, args[0] if single else Inputs(args, kwargs), None, call, watch=False)
+            if star_grads is not None and self.keep == "all" and not star_grads.stored:  # entry i is call i
+                star_grads.stored = True
+                self._put(self._stores["grad_input"], star, star_call, star_grads, [], None)
         for name in hits:
             edit = self._edits.get(name)
             new = edit(name, out) if edit is not None else None
@@ -750,7 +898,7 @@ class Tap(Mapping):
         if not self._only_inputs:
             for name in tapped:
                 self._started(name)
-                out = self._take_output(name, module, out)
+                out = self._take_output(name, module, out, None, call)
         return out
 
     def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
@@ -824,8 +972,8 @@ class Tap(Mapping):
                 return out
             start = self._start
             # no version counter to watch under inference_mode, and no call position to learn
-            # for outside a forward of the model: copy
-            if start is None or t.is_inference():
+            # for outside a forward of the model (nor for a layer of copy=): copy
+            if start is None or t.is_inference() or name in self._always_copy:
                 return self._copy_of(out)
             position = index - start.get(name if part is None else (name, part), 0)
             key = (kind, name, position)
@@ -837,6 +985,7 @@ class Tap(Mapping):
                 copy = self._copy[key] = learned.get((kind, name[len(module):], position))
             if copy is False:
                 guards.append((out, out._version, key))
+                self._guarded.append((out, out._version, key))
                 return out
             if copy is None:
                 self._pending.append((key, t, t._version))
@@ -880,8 +1029,12 @@ class Tap(Mapping):
             for k in reversed(value):
                 self._release(value, k)
 
-    def _watch_grads(self, kind: Kind, name: str, index: int, value: Any, part: int | None = None) -> Any:
-        """Register gradient hooks on the tensors of ``value``; returns it (maybe with new leaves)."""
+    def _watch_grads(
+        self, kind: Kind, name: str, index: int, value: Any, part: int | None, call: _Call, put: bool = True
+    ) -> tuple[Any, _Grads | None]:
+        """Register gradient hooks on the tensors of ``value``; returns it, with the tensors that
+        carry the hooks in place of its own, and the entry the gradients fill (None if not kept).
+        ``put=False``: the caller stores a ``keep='all'`` entry itself."""
         if not torch.is_grad_enabled():
             raise TapError(
                 f"capture={kind!r} needs autograd, but layer {name!r} ran under torch.no_grad() or "
@@ -890,32 +1043,21 @@ class Tap(Mapping):
         store = self._stores[kind]
         observe = self._observe
         if observe is None and not store.wants(name, index):
-            return value
+            return value, None
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
         grads = _Grads(skeleton, next(counter))
-        if self.keep == "all" and observe is None:  # one entry per call, in call order; None until a backward reaches it
+        if put and self.keep == "all" and observe is None:  # one entry per call, in call order; None until a backward reaches it
             grads.stored = True
             self._put(store, name, index, grads, [], part)
         transform = self._transform
         slot = itertools.count()
-        given = self._given if kind == "grad_input" else None
 
         def watch(t: torch.Tensor) -> torch.Tensor:
             i = next(slot)
             if not (t.is_floating_point() or t.is_complex()):
                 return t
-            handles = None
-            if not t.requires_grad:
-                # nothing upstream needs a graph, so a fresh leaf loses nothing; the clone lets
-                # in-place ops follow (a leaf that requires grad cannot be changed in place)
-                t = t.detach().requires_grad_().clone()
-            elif t.grad_fn is None:  # a leaf: hook a view of it, so nothing stays on the leaf
-                t = t.view_as(t)
-            elif t._is_view():  # changed in place later, a view would lose its hooks
-                t = _Alias.apply(t)
-            elif given and id(t) in given:  # the caller's tensor: its hook ends with the tap
-                handles = self._given_hooks
+            t = _hookable(t, kind, call)
 
             def on_grad(g: torch.Tensor) -> None:
                 kept = transform(g)
@@ -929,12 +1071,10 @@ class Tap(Mapping):
                     grads.stored = True
                     self._put(store, name, index, grads, [], part)
 
-            handle = t.register_hook(on_grad)
-            if handles is not None:
-                handles.append(handle)
+            t.register_hook(on_grad)
             return t
 
-        return nested.map_leaves(watch, value)
+        return nested.map_leaves(watch, value), (grads if observe is None else None)
 
     # ------------------------------------------------------------------ results
     def _read(self, kind: str, name: str) -> Any:
@@ -947,27 +1087,35 @@ class Tap(Mapping):
         if not store.has(layer):
             self._check_op(layer)
             when = "no backward reached it" if kind.startswith("grad") else "it did not run"
-            given = (
-                "; a gradient with respect to the model's own inputs is recorded only by a backward "
-                "inside the with block" if kind == "grad_input" else ""
-            )
             raise LayerNotRunError(
                 f"layer {layer!r} is tapped but has no {kind} yet: nothing was recorded since the "
                 f"tap started (or since clear()) because {when}. Check that the forward "
                 f"{'and backward ' if kind.startswith('grad') else ''}went through this layer "
-                f"(calling module.forward() directly bypasses hooks){given}"
+                f"(calling module.forward() directly bypasses hooks)"
             )
-        values = []
+        values: list[Any] = []
+        lost: list[int] = []
         for _, value, guards in store.entries[layer]:
             changed = next((key for t, v, key in guards if t._version != v), None)
             if changed is not None:
                 self._learn(changed, True)
-                raise TapError(
-                    f"the {kind} of layer {layer!r} was changed in place after it was captured "
-                    "(a later in-place op in the forward) and is lost for that forward; layertap "
-                    "copies it from now on: run the forward again"
-                )
+                if self.keep != "all":
+                    raise TapError(
+                        f"the {kind} of layer {layer!r} was changed in place after it was captured "
+                        "(a later in-place op in the forward) and is lost for that forward; layertap "
+                        "copies it from now on: run the forward again"
+                    )
+                lost.append(len(values))  # this entry alone: the others are intact
+                values.append(None)
+                continue
             values.append(value.value() if isinstance(value, (_Grads, _Parts)) else value)
+        if lost:
+            warnings.warn(
+                f"layertap: entries {lost} of the {len(values)} {kind}s of layer {layer!r} were changed in place "
+                "after capture (a later in-place op in the forward) and are lost (None); the others are intact, "
+                f"and layertap copies those calls from now on. To lose none, tap with copy=True or copy=[{layer!r}]",
+                stacklevel=3,
+            )
         return values if self.keep == "all" else values[0]
 
     def _check_op(self, name: str) -> None:
@@ -1018,12 +1166,12 @@ class Tap(Mapping):
 
     @property
     def grads(self) -> Mapping[str, Any]:
-        """Layer name -> gradient with respect to the layer's output (same structure)."""
+        """Layer name -> the gradient that flows back through the layer's output edge (same structure)."""
         return _View(self, "grad")
 
     @property
     def grad_inputs(self) -> Mapping[str, Any]:
-        """Layer name -> gradient with respect to the layer's input (same structure)."""
+        """Layer name -> the gradient that flows into the layer's input through the layer alone (same structure)."""
         return _View(self, "grad_input")
 
     def __repr__(self) -> str:
@@ -1117,31 +1265,42 @@ def tap(
     keep: Literal["last", "first", "all"] = "last",
     detach: bool = True,
     to: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DType = None,
     reduce: Reduce = None,
     stop_early: bool = False,
     edit: Edit = None,
     observe: Observe = None,
+    copy: bool | Layers = False,
 ) -> Tap:
     """Tap ``layers`` of ``model`` for the duration of a ``with`` block.
 
     Args:
         layers: names, globs, regexes, module classes or predicates (see `layertap.select`).
-        capture: any of ``"output"``, ``"input"``, ``"grad"`` (gradient with respect to the
-            layer's output) and ``"grad_input"`` (with respect to its input). Gradients come
-            from your own backward, inside the ``with`` block or after it, except that the
-            gradient with respect to a tensor the model was given is recorded only inside it.
+        capture: any of ``"output"``, ``"input"``, ``"grad"`` (the gradient that flows back
+            through the layer's output edge) and ``"grad_input"`` (the gradient that flows into
+            its input through the layer alone): ``register_full_backward_hook``'s
+            ``grad_output`` and ``grad_input``, whatever else uses those tensors. Gradients come
+            from your own backward, inside the ``with`` block or after it.
         keep: ``"last"`` or ``"first"`` call, or ``"all"`` (a list, one entry per call, across
             forwards until ``clear()``). A gradient entry of ``"all"`` is ``None`` for a call that
             no backward reached, so entry ``i`` always belongs to call ``i``; ``"last"`` and
-            ``"first"`` give the last or first call a backward reached.
-        detach, to, dtype, reduce: applied to each tensor inside the hook, before it is stored;
-            ``reduce`` is ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` or a callable.
+            ``"first"`` give the last or first call a backward reached. An ``"all"`` entry that a
+            later in-place op changed after capture is ``None`` too, with a warning naming it
+            (the others read as usual). ``"last"`` warns once for a layer that runs more than
+            once per forward (a shared ``ReLU``).
+        detach: drop the autograd graph of each captured tensor (applied first, inside the hook).
+        to: a device to move each captured tensor to, after ``reduce`` and ``dtype``.
+        dtype: a floating-point dtype (or its name, ``"float16"``) to cast captured
+            floating-point tensors to, after ``reduce``.
+        reduce: ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` or a callable, applied on the
+            layer's own device before the tensor is stored.
         stop_early: end the forward (by an exception the tap swallows) as soon as every tapped
             layer has fired, so the rest of the network never runs; put the forward last in the
             ``with`` block.
         edit: ``f(name, output) -> new_output`` for every tapped layer, or ``{spec: f}``; the
             result (unless ``None``) replaces the output downstream, and is what is captured.
+        copy: ``True``, or specs of tapped layers, whose values are always copied rather than
+            guarded, so that no in-place op can lose one (the cost: a copy per call).
         observe: ``f(name, kind, call, value)``, called inside the hook with each value as it
             would be stored (after ``detach``/``to``/``dtype``/``reduce``), for every call
             whatever ``keep`` says; the tap then keeps nothing. ``call`` counts the layer's
@@ -1172,6 +1331,7 @@ def tap(
         stop_early=stop_early,
         edit=edit,
         observe=observe,
+        copy=copy,
     )
 
 

@@ -46,9 +46,14 @@ they are the scaled gradients.
 The cost (``benchmarks/bench_watch.py``, resnet18 training step, every leaf module, 2 CPU
 cores): a sampled step 1.2x a plain one, an unsampled step 1.00x, so under 1.01x per step
 with ``every=100``. Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
-``f(step, records)``. Alerts (`Alerts`) go to ``warnings`` as `WatchWarning`, or to
-``on_alert=f(alert)``. For Lightning and Hugging Face: `LightningWatch` and `HFWatch`, made
-from ``layertap.watch`` on first use, so that neither library is imported before.
+``f(step, records)``. A sink that fails (a full disk, a lost server) never stops the training
+from inside ``optimizer.step()``: the watch warns once, in one line naming it, and writes
+nothing more to it. The file sinks never write through a symbolic link; `CSV` appends each
+step's rows whole, `Parquet` puts its file in place whole at the end, and both continue a log
+already at their path (``watch(start=N)`` after a resume). Alerts (`Alerts`) go to
+``warnings`` as `WatchWarning`, or to ``on_alert=f(alert)``. For Lightning and Hugging Face:
+`LightningWatch` and `HFWatch`, made from ``layertap.watch`` on first use, so that neither
+library is imported before.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import contextlib
 import csv
 import dataclasses
 import functools
+import io
 import math
 import os
 import warnings
@@ -69,6 +75,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import nested
+from .atomic import AppendLog, AtomicFile, check_target, one_line, reason, write_atomic
 from .distributed import Processes
 from .errors import ArgumentError, LayertapError, MissingExtraError, require
 from .select import Layers, named_layers, owner, select
@@ -144,55 +151,139 @@ class Callback:
 class CSV:
     """One row per step, layer and kind, with the columns of `COLUMNS`; opened at the first write.
 
+    Each step's rows are appended whole (a failed write is cut back off) and handed to the
+    file at once, so the log reads while training runs. A log already at ``path`` is continued
+    (a resumed run, ``watch(start=N)``): its rows before the first step written now stay, those
+    of the steps run again (at or after it) are dropped. A file that is not a watch log, a
+    folder or a symbolic link at ``path`` is refused.
+
     >>> import tempfile, os
     >>> sink = CSV(os.path.join(tempfile.mkdtemp(), "watch.csv"))
     >>> sink.close()  # nothing written, no file made
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._file: Any = None
-        self._writer: Any = None
+        self.path = check_target(path, WHAT)  # now, not inside a training step
+        self._log: AppendLog | None = None
 
     def write(self, step: int, records: Sequence[Record]) -> None:
-        if self._file is None:
-            self._file = self.path.open("w", newline="")
-            self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
-            self._writer.writeheader()
-        self._writer.writerows(r.row() for r in records)
-        self._file.flush()  # readable while training runs
+        if self._log is None:
+            self._log = self._open(step)
+        text = io.StringIO()
+        csv.DictWriter(text, fieldnames=COLUMNS).writerows(r.row() for r in records)
+        self._log.write(text.getvalue().encode("utf-8"))
+
+    def _open(self, first: int) -> AppendLog:
+        """The log to append to, after the old one's rows at steps ``>= first`` are dropped."""
+        check_target(self.path, WHAT)  # again: a link may have been put there since
+        header = io.StringIO()
+        csv.writer(header).writerow(COLUMNS)
+        try:
+            with open(self.path, newline="", encoding="utf-8", opener=_no_follow) as f:
+                table = list(csv.reader(f))
+        except FileNotFoundError:
+            table = []
+        except (OSError, UnicodeDecodeError) as e:
+            raise LayertapError(f"cannot continue the watch log {self.path}: {one_line(e)}") from e
+        if table and table[0] != list(COLUMNS):
+            raise LayertapError(f"{self.path} is not a layertap watch log (its first row is not the columns of one): choose another path, or move the file away")
+        kept = [row for row in table[1:] if len(row) == len(COLUMNS) and row[0].isdigit() and int(row[0]) < first]
+        if len(kept) < len(table) - 1 or not table:  # rows to drop (or a new file): the log is rewritten whole
+            _say_replaced(self.path, [int(row[0]) for row in table[1:] if row and row[0].isdigit()], first)
+            body = io.StringIO()
+            csv.writer(body).writerows(kept)
+            write_atomic(self.path, header.getvalue() + body.getvalue(), WHAT)
+        return AppendLog(self.path, WHAT)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 class Parquet:
-    """The rows of `CSV` in a Parquet file, one row group per sampled step (needs ``pyarrow``)."""
+    """The rows of `CSV` in a Parquet file, one row group per sampled step (needs ``pyarrow``).
+
+    The file is written beside ``path`` and put in place whole when the watch ends: until then
+    (or if the disk fills) the old file stays as it was. Its rows before the first step written
+    now are kept, as `CSV` does.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         try:
             import pyarrow  # noqa: F401
         except ImportError as e:
             raise MissingExtraError("the Parquet sink needs pyarrow: pip install pyarrow (or write CSV)") from e
-        self.path = Path(path)
+        self.path = check_target(path, WHAT)
+        self._out: AtomicFile | None = None
         self._writer: Any = None
 
     def write(self, step: int, records: Sequence[Record]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = [r.row() for r in records]
-        table = pa.Table.from_pylist(rows, schema=_arrow_schema(pa))
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, table.schema)
-        self._writer.write_table(table)
+        try:
+            table = pa.Table.from_pylist([r.row() for r in records], schema=_arrow_schema(pa))
+            if self._writer is None:
+                old = self._old_rows(pa, pq, step)
+                self._out = AtomicFile(self.path, WHAT)
+                self._writer = pq.ParquetWriter(self._out.file, table.schema)
+                if old is not None and old.num_rows:
+                    self._writer.write_table(old)
+            self._writer.write_table(table)
+        except (OSError, pa.ArrowException) as e:
+            self._discard()
+            raise LayertapError(f"cannot write the watch log {self.path}: {reason(e)}") from e
+
+    def _old_rows(self, pa: Any, pq: Any, first: int) -> Any:
+        import pyarrow.compute as pc
+
+        if not check_target(self.path, WHAT).exists():  # a link put there since is refused
+            return None
+        try:
+            old = pq.read_table(self.path)
+        except (OSError, pa.ArrowException) as e:
+            raise LayertapError(f"{self.path} is not a layertap watch log ({one_line(e)}): choose another path, or move the file away") from e
+        if old.schema != _arrow_schema(pa):
+            raise LayertapError(f"{self.path} is not a layertap watch log (its columns differ): choose another path, or move the file away")
+        _say_replaced(self.path, old["step"].to_pylist(), first)
+        return old.filter(pc.less(old["step"], first))
+
+    def _discard(self) -> None:
+        self._writer = None
+        if self._out is not None:
+            self._out.discard()
+            self._out = None
 
     def close(self) -> None:
-        if self._writer is not None:
+        if self._writer is None or self._out is None:
+            return
+        import pyarrow as pa
+
+        try:
             self._writer.close()
-            self._writer = None
+        except (OSError, pa.ArrowException) as e:
+            self._discard()
+            raise LayertapError(f"cannot write the watch log {self.path}: {reason(e)}") from e
+        out, self._out, self._writer = self._out, None, None
+        out.commit()
+
+
+WHAT = "the watch log"
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _say_replaced(path: Path, steps: list[int], first: int) -> None:
+    """Warn when a continued log held rows of the steps run again."""
+    again = [s for s in steps if s >= first]
+    if again:
+        warnings.warn(
+            f"the watch log {path} held rows of steps {min(again)}-{max(again)}, at or after this run's first step {first}: "
+            "they are replaced by this run's", WatchWarning, stacklevel=2,
+        )
 
 
 def _arrow_schema(pa: Any) -> Any:
@@ -279,6 +370,14 @@ class WandB:
 
     def close(self) -> None:
         pass
+
+
+def _sink_name(sink: Any) -> str:
+    """A sink as its error names it: its file or folder, or its type (a function: its name)."""
+    if isinstance(sink, Callback):
+        return getattr(sink.fn, "__qualname__", type(sink.fn).__name__)
+    where = getattr(sink, "path", None) or getattr(sink, "log_dir", None)
+    return f"{type(sink).__name__}({str(where)!r})" if where is not None else type(sink).__name__
 
 
 def _sink(sink: Any) -> Sink:
@@ -492,7 +591,7 @@ class Watch:
             self._end()
         finally:
             for sink in self.sinks:
-                sink.close()
+                self._guard(sink, sink.close)
 
     def step(self) -> None:
         """The training step ends: write its statistics if it was sampled; the next one begins."""
@@ -587,8 +686,10 @@ class Watch:
         self.last = records
         procs = Processes(*_rank_world())
         if procs.main:
-            for sink in self.sinks:
-                sink.write(self.global_step, records)
+            for sink in list(self.sinks):
+                if not self._guard(sink, functools.partial(sink.write, self.global_step, records)):
+                    self.sinks.remove(sink)
+                    self._guard(sink, sink.close)
         if self._judge is not None:
             for alert in self._judge.alerts(self.global_step, records):
                 self.alerts.append(alert)
@@ -596,6 +697,17 @@ class Watch:
                     self.on_alert(alert)
                 elif procs.main:
                     warnings.warn(alert.message, WatchWarning, stacklevel=3)
+
+    def _guard(self, sink: Sink, call: Callable[[], Any]) -> bool:
+        """Run a sink's ``call``; if it fails, warn (one line naming the sink) and return False.
+        A sink runs inside the optimizer's step: its failure must not stop the training."""
+        try:
+            call()
+            return True
+        except Exception as e:
+            what = one_line(e) if isinstance(e, LayertapError) else f"the watch sink {_sink_name(sink)} failed: {type(e).__name__}: {one_line(e)}"
+            warnings.warn(f"{what}; the watch writes nothing more to it, and training goes on", WatchWarning, stacklevel=4)
+            return False
 
     def _records(self, summaries: dict[tuple[str, str, int], Summary]) -> list[Record]:
         """Rows in forward order, output then gradient; gradients in backward order for alerts."""
@@ -643,6 +755,8 @@ def watch(
         on_alert: ``f(alert)`` instead of a `WatchWarning` (called on every rank).
         optimizer: advance on its ``step()`` (its post-step hook) instead of calling `Watch.step`.
         histogram_bins: ``>= 2`` adds histograms of the outputs (to TensorBoard and W&B).
+        start: the number of the first step (a resumed run's): a `CSV` or `Parquet` log at the
+            path keeps its rows of earlier steps and replaces those of the steps run again.
 
     A forward under ``torch.no_grad()`` inside a sampled step is not counted; wrap an
     evaluation with autograd on in ``w.paused()``.

@@ -16,7 +16,7 @@ from ..features import place_model
 from ..images import find_images, load_image, model_view
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
-from .core import app, own_allocator, typer
+from .core import app, echo, own_allocator, typer
 from .options import HEATMAPS, arch_option, check_method, model_argument, parse_shape, trust_option
 
 
@@ -175,6 +175,6 @@ def cam(
         out.mkdir(exist_ok=True)
         for name in os.listdir(staging):
             os.replace(Path(staging, name), out / name)  # a rename: the same file system
-    for line in lines:
-        typer.echo(line)
-    typer.echo(f"layer: {', '.join(explainer.layers or [])}; method: {method}; {len(paths)} heatmaps in {out}")
+    for line in lines:  # one per image: an id or class name with a line break cannot make a second
+        echo(line)
+    echo(f"layer: {', '.join(explainer.layers or [])}; method: {method}; {len(paths)} heatmaps in {out}")

@@ -3,6 +3,10 @@
 Exit codes: 0 ok, 2 usage error, 1 runtime failure, reported in one line (``--debug`` shows the
 traceback), 130 interrupted.
 
+Everything the command prints goes through `echo` or the error handling of `run`, which escape
+control characters (`layertap.printable`): results and errors name files, ids, classes, layers
+and models, which may hold terminal escape sequences.
+
 A command owns its process: ``extract``, ``stats``, ``cam`` and ``report`` call `own_allocator`
 first, which tunes glibc's allocator to keep freed memory for the next forward (see
 `layertap.allocator`), unless the environment says ``LAYERTAP_ALLOCATOR=default``.
@@ -16,6 +20,7 @@ import traceback
 
 from .. import allocator
 from ..errors import require
+from ..printable import printable
 
 typer = require("typer", "cli")
 click = require("click", "cli")
@@ -52,6 +57,11 @@ def _options(
     _debug = debug
 
 
+def echo(text: str, keep: str = "") -> None:
+    """Print ``text`` on stdout with control characters escaped; ``keep="\\n"`` for a table of lines."""
+    typer.echo(printable(text, keep))
+
+
 def own_allocator() -> allocator.AllocatorTuning | None:
     """Tune the C allocator for this process, which the command owns (`layertap.allocator`),
     unless ``LAYERTAP_ALLOCATOR=default``; ``tuned`` (or unset) tunes, anything else is a usage error."""
@@ -76,6 +86,7 @@ def run(argv: list[str] | None = None) -> int:
         return e.exit_code
     # usage errors: exit code 2 (newer typer raises its own copies of click's exceptions)
     except (click.ClickException, getattr(typer, "TyperException", click.ClickException)) as e:
+        e.message = printable(e.message, keep="\n")  # it may quote a value or a class name of the model
         e.show()
         return e.exit_code
     except KeyboardInterrupt:
@@ -86,8 +97,8 @@ def run(argv: list[str] | None = None) -> int:
         return 1
     except Exception as e:  # one line, not a traceback, unless --debug
         if _debug or "--debug" in args:
-            traceback.print_exc()
-        message = " ".join(str(e).split()) or type(e).__name__
+            print(printable(traceback.format_exc(), keep="\n"), end="", file=sys.stderr)
+        message = " ".join(printable(str(e), keep="\n\t").split()) or type(e).__name__
         print(f"layertap: error: {message}", file=sys.stderr)
         return 1
     return result if isinstance(result, int) else 0

@@ -9,12 +9,12 @@ import numpy as np
 
 from ..controls import REDUCTIONS
 from ..data import OnError
-from ..dataset import extract_dataset
+from ..dataset import Verify, extract_dataset
 from ..distributed import launched
 from ..loading import load_model
 from ..store import FORMATS, Location, location, url_fs
 from ..units import human_bytes
-from .core import app, own_allocator, typer
+from .core import app, echo, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
 DTYPES = ("float32", "float16", "float64")
@@ -53,7 +53,16 @@ def extract(
     device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda or cuda:1 (default: cpu)."),
     dtype: str | None = typer.Option(None, "--dtype", help=f"Store features as {', '.join(DTYPES)}."),
     on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing store (default: resume it)."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an existing store (default: resume it), removing only what layertap wrote: a store folder that also holds other files is refused, naming them.",
+    ),
+    verify: str = typer.Option(
+        "close",
+        "--verify",
+        help="On resume, recompute one written batch and compare it with the store: close (within 1e-4 of each array's largest value), exact (bit for bit) or off.",
+    ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N samples."),
     max_image_pixels: int | None = typer.Option(
         None, "--max-image-pixels", min=0, help="Refuse images of more than N pixels (default: PIL's limit, about 179 million; 0: no limit)."
@@ -78,6 +87,7 @@ def extract(
     _choice(format, FORMATS, "--format")
     _choice(dtype, DTYPES, "--dtype")
     _choice(on_error, ("fail", "skip"), "--on-error")
+    _choice(verify, ("close", "exact", "off"), "--verify")
     net = load_model(model, arch=arch, trust=trust)
     target = location(out)
     store = extract_dataset(
@@ -92,6 +102,7 @@ def extract(
         device=device,
         format=format,
         overwrite=overwrite,
+        verify=cast(Verify, verify),  # _choice above has checked it
         on_error=cast(OnError, on_error),  # _choice above has checked it
         limit=limit,
         chunk_size=chunk_size,
@@ -102,10 +113,10 @@ def extract(
         if launched()[0] != 0:  # under torchrun, rank 0 speaks for the job
             return
         arrays = ", ".join(f"{key} {list(store[key].shape[1:])}" for key in store)
-        typer.echo(f"wrote {store.num_samples} samples to {target} ({store.format}, {human_bytes(_disk_size(target))}): {arrays}")
+        echo(f"wrote {store.num_samples} samples to {target} ({store.format}, {human_bytes(_disk_size(target))}): {arrays}")
         if store.labels is not None:
             # rows of failed samples are not valid, and images outside any class folder are labelled -1
             labels = store.labels[store.valid]
-            typer.echo(f"labels: {len(np.unique(labels[labels >= 0]))} classes")
+            echo(f"labels: {len(np.unique(labels[labels >= 0]))} classes")
         for failure in store.failed:
-            typer.echo(f"failed: {failure.id}: {failure.error}")
+            echo(f"failed: {failure.id}: {failure.error}")

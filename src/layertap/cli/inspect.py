@@ -7,7 +7,7 @@ from typing import cast
 from ..errors import ModelLoadError
 from ..loading import DEFAULT_SPEC, load_model, model_info, spec_kind
 from ..summary import summary
-from .core import app, typer
+from .core import app, echo, typer
 from .options import arch_option, model_argument, parse_shape, trust_option
 
 
@@ -45,4 +45,4 @@ def inspect(
     # parse_shape, the option's callback, has made the text a shape
     example = model_info(net).example(cast("tuple[int, ...] | None", input_shape))
     table = summary(net, example, layers=layers or None, depth=depth, ops=ops)
-    typer.echo(table.to_json(indent=2) if as_json else str(table))
+    echo(table.to_json(indent=2) if as_json else str(table), keep="\n")

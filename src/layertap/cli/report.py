@@ -8,9 +8,10 @@ from pathlib import Path
 from ..cam import METHODS
 from ..loading import load_model
 from ..report import build_report
+from ..report.context import MAX_LAYERS, MAX_POINTS
 from ..report.projection import PROJECTIONS
 from ..store import is_url, location
-from .core import app, own_allocator, typer
+from .core import app, echo, own_allocator, typer
 from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
 
 
@@ -33,7 +34,12 @@ def report(
     images: Path | None = typer.Option(None, "--images", help="The image folder the store's ids are relative to (default: none; with --trust, the one the store records)."),
     method: str = typer.Option("gradcam", "--method", callback=check_method, help=f"Heatmap method: {', '.join(METHODS)}."),
     heatmaps: int = typer.Option(16, "--heatmaps", min=1, help="How many images the heatmap grid shows."),
-    max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples drawn in the 2-D plots, probed, and used for statistics."),
+    max_samples: int = typer.Option(1000, "--max-samples", min=3, help="Samples probed and used for statistics."),
+    max_layers: int = typer.Option(
+        MAX_LAYERS, "--max-layers", min=1,
+        help="Stored layers drawn, probed and listed in the statistics, evenly spread (flagged ones are listed too); the page names those left out.",
+    ),
+    max_points: int = typer.Option(MAX_POINTS, "--max-points", min=3, help="Samples drawn in each 2-D plot, at most."),
     projection: list[str] = typer.Option(
         ["pca"], "--projection", callback=_check_projections,
         help="How the features are drawn in 2-D, repeatable: pca, tsne (needs scikit-learn), umap (needs umap-learn).",
@@ -67,6 +73,6 @@ def report(
     net = load_model(model, arch=arch, trust=trust) if model is not None else None
     path = build_report(
         where, target, model=net, images=images, cam_method=method, heatmaps=heatmaps, max_samples=max_samples,
-        projections=projection, trust_store=trust, progress=progress,
+        max_layers=max_layers, max_points=max_points, projections=projection, trust_store=trust, progress=progress,
     )
-    typer.echo(f"report: {path}")
+    echo(f"report: {path}")

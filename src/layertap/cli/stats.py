@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..loading import load_model
 from ..stats import stats as layer_stats
-from .core import app, own_allocator, typer
+from .core import app, echo, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
 
@@ -49,4 +49,4 @@ def stats(
         device=device,
         progress=progress,
     )
-    typer.echo(table.to_json() if as_json else str(table))
+    echo(table.to_json() if as_json else str(table), keep="\n")

@@ -20,6 +20,14 @@ The page opens offline, from the file, with no server. It has:
   without the model, of the stored features), with sample counts, shapes per sample and
   histograms whose bars give their range and count on hover.
 
+Scale. A store of many layers shows at most ``max_layers`` of them (24) in the plots, the probes
+and the statistics table, evenly spread from the first to the last (and every flagged layer in
+the table); each plot draws at most ``max_points`` samples (1,000). The page names what it
+left out. Features are read a block of rows at a time and reduced as they are read; a layer
+wider than 2,048 features is hashed to 2,048 (signed feature hashing, which keeps distances
+and principal components approximately), so memory follows the sampled rows, not the width.
+The page is written whole or not at all (a temporary file renamed over the old page).
+
 Scripts. The page's one script is inline, hand-written and short (hover cards, pinning, search);
 there is no plotting library. A library would cost far more than it brings here: Plotly's
 bundle alone is about 3.5 MB per page, and the plots are a few hundred points each, which SVG
@@ -60,11 +68,12 @@ from pathlib import Path
 from torch import nn
 
 from .. import cam
+from ..atomic import check_target, write_atomic
 from ..errors import ArgumentError, require
 from ..progress import progress_bar
 from ..stats import StatsTable
 from ..store import FeatureStore, open_features
-from .context import Context, Unavailable, one_line
+from .context import MAX_LAYERS, MAX_POINTS, Context, Unavailable, one_line
 from .projection import PROJECTIONS
 from .render import data_uri, esc, json_script
 from .sections import (
@@ -91,13 +100,13 @@ THUMBNAIL = 96  # pixels on the long side of the hover thumbnails, at most
 def _samples(ctx: Context) -> tuple[dict[str, list], list[str], str]:
     """The sampled rows as the page's script reads them (ids, classes, thumbnails), each point's
     tooltip without scripts, and a note when there are no thumbnails."""
-    rows = ctx.sample.tolist()
+    rows = ctx.points.tolist()
     truth = [ctx.true_name(r) for r in rows]
     predicted = [ctx.predicted_name(ctx.predictions[r]) if r in ctx.predictions else None for r in rows]
     ids = [str(ctx.ids[r]) for r in rows]
     note = ""
     try:
-        images: list[str | None] = [data_uri(t, photo=True) for t in ctx.thumbnails(ctx.sample, THUMBNAIL)]
+        images: list[str | None] = [data_uri(t, photo=True) for t in ctx.thumbnails(ctx.points, THUMBNAIL)]
     except Exception as e:  # no folder, an id outside it, an unreadable file: no thumbnails, still a page
         images, note = [None] * len(rows), f" Hover shows no images: {esc(one_line(e))}."
     if not ctx.predictions:
@@ -121,6 +130,8 @@ def build_report(
     cam_layer: str | None = None,
     heatmaps: int = 16,
     max_samples: int = 1000,
+    max_layers: int = MAX_LAYERS,
+    max_points: int = MAX_POINTS,
     projections: Sequence[str] = ("pca",),
     title: str | None = None,
     trust_store: bool = False,
@@ -138,8 +149,11 @@ def build_report(
             you already have).
         cam_method: a `layertap.cam.METHODS` name; ``cam_layer`` its layer (default: chosen by it).
         heatmaps: how many images the heatmap grid shows.
-        max_samples: samples drawn in the projections, probed, and used for the statistics over
-            images.
+        max_samples: samples probed and used for the statistics (over images or over the stored
+            features), evenly spread over the store.
+        max_layers: stored layers drawn, probed and listed in the statistics (evenly spread from
+            the first to the last; flagged ones are listed too); the page names those left out.
+        max_points: samples drawn in each plot, at most (evenly spread over those sampled).
         projections: ``"pca"``, ``"tsne"`` (needs scikit-learn), ``"umap"`` (needs umap-learn).
         title: the page title; default names the model.
         trust_store: use what the store records: without ``model``, load its spec (named on
@@ -154,16 +168,19 @@ def build_report(
     """
     if cam_method not in cam.METHODS:
         raise ArgumentError(f"unknown cam_method {cam_method!r}; choose from {list(cam.METHODS)}")
-    if heatmaps < 1 or max_samples < 3:
-        raise ArgumentError(f"need heatmaps >= 1 and max_samples >= 3, got {heatmaps} and {max_samples}")
+    if heatmaps < 1 or max_samples < 3 or max_layers < 1 or max_points < 3:
+        raise ArgumentError(
+            f"need heatmaps >= 1, max_samples >= 3, max_layers >= 1 and max_points >= 3, got {heatmaps}, {max_samples}, {max_layers} and {max_points}"
+        )
     unknown = [p for p in projections if p not in PROJECTIONS]
     if unknown or not projections:
         raise ArgumentError(f"unknown projections {unknown}; choose from {list(PROJECTIONS)}")
     require("PIL.Image", "vision")
+    out = check_target(out_html, "the report")  # before the work, not after it
     started = time.perf_counter()
     opened = store if isinstance(store, FeatureStore) else open_features(store)
     try:
-        ctx = Context(opened, model, images, max_samples, trust_store)
+        ctx = Context(opened, model, images, max_samples, trust_store, max_layers, max_points)
         samples, tips, hover_note = _samples(ctx)
         builders: dict[str, Callable[[], str]] = {
             "store": lambda: store_section(ctx),
@@ -201,10 +218,8 @@ def build_report(
             "nothing from the network. Its short inline script adds the hover cards and search; without it, all else shows."
         ),
     )
-    out = Path(out_html)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    return out
+    # whole or not at all: a full disk leaves the old page as it was, and says which file
+    return write_atomic(out, page, "the report")
 
 
 __all__ = ["HISTOGRAM_BINS", "SECTIONS", "build_report"]

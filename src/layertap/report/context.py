@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from ..dataset import model_fingerprint
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, StoreError
 from ..images import load_image
 from ..loading import load_model, model_info, spec_kind
 from ..store import FeatureStore
 from ..summary import LayerTable, summary
+from .render import plain_list
 
 BLOCK_BYTES = 32 << 20  # rows read from the store at a time, at most
+FEATURES = 2048  # features per sample a layer is reduced to, at most, for its plots and probe
+MAX_LAYERS = 24  # stored layers drawn, probed and listed, by default
+MAX_POINTS = 1000  # points per plot, by default
 
 
 class Unavailable(Exception):
@@ -33,14 +38,27 @@ class Context:
     """The store and what can be found about it: class names, image files, the matching model."""
 
     def __init__(
-        self, store: FeatureStore, model: nn.Module | str | None, images: str | Path | None, max_samples: int, trust_store: bool = False
+        self,
+        store: FeatureStore,
+        model: nn.Module | str | None,
+        images: str | Path | None,
+        max_samples: int,
+        trust_store: bool = False,
+        max_layers: int = MAX_LAYERS,
+        max_points: int = MAX_POINTS,
     ) -> None:
         self.store = store
         self.meta = store.meta
         self.ids = store.ids
         self.labels = store.labels
         self.valid = np.flatnonzero(store.valid)  # read and written rows only
+        if not len(self.valid):
+            raise StoreError(_no_rows(store))
         self.sample = spread(self.valid, max_samples)
+        self.points = spread(self.sample, max_points)  # the samples drawn in each plot
+        self.keys = list(store)
+        # the arrays drawn, probed and listed: evenly spread, the first and the last among them
+        self.shown = [self.keys[i] for i in spread(np.arange(len(self.keys)), max_layers)]
         self.classes = self._class_names()
         self.root, self.root_note = self._image_root(images, trust_store)
         self.model, self.model_note = self._model(model, trust_store)
@@ -160,8 +178,12 @@ class Context:
         """The model's predicted class of each sampled row, from the stored output (empty without one)."""
         if self.output_key is None:
             return {}
-        logits = np.concatenate(list(blocks(self.store[self.output_key], self.sample)))
-        return dict(zip(self.sample.tolist(), logits.argmax(1).tolist()))
+        predicted = [block.argmax(1) for block in blocks(self.store[self.output_key], self.sample)]  # a block at a time
+        return dict(zip(self.sample.tolist(), np.concatenate(predicted).tolist()))
+
+    def left_out(self, what: str) -> str:
+        """A sentence saying which stored arrays a section leaves out (``""`` when none)."""
+        return left_out(what, self.shown, self.keys)
 
     def true_name(self, row: int) -> str | None:
         if self.labels is None or int(self.labels[row]) < 0:
@@ -209,6 +231,31 @@ class Context:
         return pictures
 
 
+def left_out(what: str, shown: Sequence[str], every: Sequence[str], how: str = "evenly spread from the first to the last") -> str:
+    """A sentence saying which of ``every`` a section leaves out (``""`` when it shows them all)."""
+    if len(shown) == len(every):
+        return ""
+    kept = set(shown)
+    missing = [k for k in every if k not in kept]
+    return (
+        f" {what} {len(shown)} of the {len(every):,} stored layers, {how}; left out: {plain_list(missing, 12)}. "
+        "Pass max_layers= / --max-layers N to show more."
+    )
+
+
+def _no_rows(store: FeatureStore) -> str:
+    """Why a store has no row to show, and what to do."""
+    n = store.num_samples
+    if n and len(store.failed) == n:
+        return f"none of the {n:,} samples of the feature store {store.path} could be read (its failed list says why): fix the data and extract again"
+    if store.complete:
+        return f"the feature store {store.path} holds no samples: extract it from data that has some"
+    return (
+        f"the feature store {store.path} holds no complete rows yet: its extraction stopped before writing its first chunk; "
+        "run the same extraction again to resume it, then make the report"
+    )
+
+
 def _inside(root: Path, name: str) -> Path | None:
     """``root / name`` resolved (links followed) when it lies inside ``root`` (resolved), else ``None``."""
     try:
@@ -239,12 +286,44 @@ def blocks(array: Any, rows: np.ndarray) -> Iterator[np.ndarray]:
             yield np.asarray(array[start : start + block])[picked - start]
 
 
-def vectors(array: Any, rows: np.ndarray) -> tuple[np.ndarray, str]:
-    """Rows of a stored array as ``[N, D]`` vectors (maps averaged per channel, as ``reduce="mean"``),
-    and how they were made."""
-    x = np.concatenate(list(blocks(array, rows)))
-    if x.ndim >= 4:  # [N, C, *spatial]
-        return x.reshape(*x.shape[:2], -1).mean(-1), "each channel averaged over its positions"
-    if x.ndim == 3:  # [N, tokens, D]
-        return x.mean(1), "averaged over tokens"
-    return x.reshape(len(x), -1), ""
+def vectors(array: Any, rows: np.ndarray) -> tuple[np.ndarray, int, str]:
+    """Rows of a stored array as ``[N, D]`` vectors, the number of features they stand for, and
+    how they were made.
+
+    Maps are averaged per channel (as ``reduce="mean"``), tokens averaged; more than `FEATURES`
+    features are hashed into that many (signed feature hashing: each feature is added, with a
+    sign, to one of them; it keeps the samples' dot products, so their distances and principal
+    components, approximately). Each block of rows is reduced as it is read: memory is bounded
+    by the rows, not by the layer's width.
+    """
+    shape = tuple(array.shape[1:])
+    if len(shape) >= 3:  # [C, *spatial]
+        width, how = shape[0], "each channel averaged over its positions"
+    elif len(shape) == 2:  # [tokens, D]
+        width, how = shape[1], "averaged over tokens"
+    else:
+        width, how = int(np.prod(shape, dtype=np.int64)), ""
+    hashed = _hashing(width) if width > FEATURES else None
+    if hashed is not None:
+        how = (how + "; " if how else "") + f"hashed into {FEATURES:,} by signed feature hashing"
+    parts = []
+    for block in blocks(array, rows):
+        x = torch.from_numpy(np.ascontiguousarray(block))
+        x = x if x.dtype == torch.float64 else x.float()  # half and integer features too
+        if x.ndim >= 4:
+            x = x.flatten(2).mean(-1)
+        elif x.ndim == 3:
+            x = x.mean(1)
+        flat = x.reshape(len(x), -1).numpy()
+        if hashed is not None:  # a row at a time: torch's index_add_ would copy the block several times over
+            buckets, signs = hashed
+            flat = np.stack([np.bincount(buckets, weights=row * signs, minlength=FEATURES) for row in flat])
+        parts.append(flat)
+    return np.concatenate(parts), width, how
+
+
+@functools.cache
+def _hashing(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each feature's bucket and sign (seeded: the same on every run)."""
+    rng = np.random.default_rng(width)
+    return rng.integers(0, FEATURES, width), rng.choice(np.array([-1, 1], dtype=np.float32), width)

@@ -21,7 +21,7 @@ from ..stats import LayerStats, StatsTable, summarize
 from ..stats import stats as activation_stats
 from ..tables import Html, Table
 from ..units import human_bytes
-from .context import Context, Unavailable, blocks, spread, vectors
+from .context import Context, Unavailable, blocks, left_out, spread, vectors
 from .probe import linear_probe
 from .projection import PROJECTIONS, available, nearest_mean, project, scatter
 from .render import colour_bar, data_uri, esc, histogram, label, legend, num, percent, plain_list
@@ -37,6 +37,8 @@ def store_section(ctx: Context) -> str:
     arrays = "<br>".join(
         f"<code>{esc(a['key'])}</code> {esc(' × '.join(map(str, a['shape'])) or 'scalar')} {esc(a['dtype'])} per sample" for a in meta["arrays"]
     )
+    if len(meta["arrays"]) > 30:  # a long list stays folded
+        arrays = f"<details><summary>{len(meta['arrays']):,} arrays</summary>{arrays}</details>"
     state = "complete" if store.complete else "<b class='bad'>incomplete</b>: the extraction was interrupted; run it again to finish"
     failed = len(store.failed)
     rows = [
@@ -181,34 +183,38 @@ def heatmaps_section(ctx: Context, method: str, count: int, layer: str | None) -
 
 # ------------------------------------------------------------------------------ features in 2-D
 def projection_section(ctx: Context, projections: Sequence[str], tips: list[str], hover_note: str) -> str:
-    rows = ctx.sample
+    rows = ctx.points
     if len(rows) < 3:
         raise Unavailable(f"a projection needs at least 3 readable samples; the store has {len(rows)}")
     labels = ctx.labels[rows] if ctx.labels is not None else None
-    features = {key: vectors(ctx.store[key], rows) for key in ctx.store}
-    parts = []
-    for name in projections:
-        title = PROJECTIONS[name][0]
-        if not available(name):
-            parts.append(f"<p class='missing'>{title} is not drawn: it needs <code>{PROJECTIONS[name][1]}</code> installed.</p>")
-            continue
-        plots = []
-        for key, (x, note) in features.items():
-            finite = np.isfinite(x).all(1)
+    plots: dict[str, list[str]] = {name: [] for name in projections if available(name)}
+    for key in ctx.shown:  # one layer's features in memory at a time
+        x, width, note = vectors(ctx.store[key], rows)
+        finite = np.isfinite(x).all(1)
+        for name, drawn in plots.items():
             if finite.sum() < 3:
-                plots.append(f"<p class='missing'>{esc(key)}: fewer than 3 samples without NaN or Inf, nothing to project.</p>")
+                drawn.append(f"<p class='missing'>{esc(key)}: fewer than 3 samples without NaN or Inf, nothing to project.</p>")
                 continue
             coords, axes = project(name, x[finite])
             lab = labels[finite] if labels is not None else None
-            subtitle = f"{x.shape[1]:,} features" + (f" ({note})" if note else "")
+            subtitle = f"{width:,} features" + (f" ({note})" if note else "")
             if not finite.all():
                 subtitle += f"; {int((~finite).sum())} with NaN/Inf left out"
             if lab is not None and len(np.unique(lab)) > 1:
                 subtitle += f"; nearest class mean: {100 * nearest_mean(coords, lab):.0f}% right"
-            plots.append(scatter(coords, np.flatnonzero(finite), lab, tips, axes, key, subtitle))
+            drawn.append(scatter(coords, np.flatnonzero(finite), lab, tips, axes, key, subtitle))
+    parts = []
+    for name in projections:
+        title = PROJECTIONS[name][0]
+        if name not in plots:
+            parts.append(f"<p class='missing'>{title} is not drawn: it needs <code>{PROJECTIONS[name][1]}</code> installed.</p>")
+            continue
         heading = f"<h3>{title}</h3>" if len(projections) > 1 else ""
-        parts.append(f"{heading}<div class='plots'>{''.join(plots)}</div>")
-    sample = f"{len(rows):,} samples" + (f" (evenly spread over the {len(ctx.valid):,} in the store)" if len(rows) < len(ctx.valid) else "")
+        parts.append(f"{heading}<div class='plots'>{''.join(plots[name])}</div>")
+    sample = f"{len(rows):,} samples" + (
+        f" (evenly spread over the {len(ctx.valid):,} in the store; pass max_points= / --max-points N to draw more)"
+        if len(rows) < len(ctx.valid) else ""
+    )
     names = " and ".join(PROJECTIONS[n][0] for n in projections)
     caption = (
         f"Each stored layer's features for {sample}, in 2-D by {names}. Classes that form separate clouds are told apart "
@@ -216,7 +222,7 @@ def projection_section(ctx: Context, projections: Sequence[str], tips: list[str]
         "lying nearer to the centre of their own class than to any other in the plane. "
         "<span class='js-inline'>Hover a point for its image and classes (the same sample is ringed in every plot), click "
         "to pin it, or find a sample by its id.</span><noscript>Hover a point for its id and classes.</noscript>"
-        f"{hover_note}"
+        f"{hover_note}{esc(ctx.left_out('Drawn:'))}"
     )
     finder = (
         "<p class='js-only finder'><label>Find a sample id: <input id='lt-find' type='search' placeholder='e.g. circle/00012.png' "
@@ -239,17 +245,18 @@ def probe_section(ctx: Context) -> str:
     chance = float(np.bincount(np.unique(y, return_inverse=True)[1]).max() / len(y))
     results = []  # (accuracy or -1, depth, key, features, fold range, note)
     made = set()
-    for depth, key in enumerate(ctx.store, 1):
-        x, how = vectors(ctx.store[key], rows)
+    depths = {key: depth for depth, key in enumerate(ctx.keys, 1)}
+    for key in ctx.shown:
+        x, width, how = vectors(ctx.store[key], rows)
         made.add(how)
         finite = np.isfinite(x).all(1)
         note = f" ({int((~finite).sum())} with NaN/Inf left out)" if not finite.all() else ""
         if len(np.unique(y[finite])) < 2 or finite.sum() < 2 * PROBE_FOLDS:
-            results.append((-1.0, depth, key, x.shape[1], "", "too few samples without NaN/Inf"))
+            results.append((-1.0, depths[key], key, width, "", "too few samples without NaN/Inf"))
             continue
         probe = linear_probe(x[finite], y[finite], folds=PROBE_FOLDS)
         fold_range = f"{100 * min(probe.fold_accuracy):.0f}–{100 * max(probe.fold_accuracy):.0f}%"
-        results.append((probe.accuracy, depth, key, x.shape[1], fold_range, note))
+        results.append((probe.accuracy, depths[key], key, width, fold_range, note))
     best = max(r[0] for r in results)
     table_rows = []
     for rank, (accuracy, depth, key, width, folds, note) in enumerate(sorted(results, key=lambda r: (-r[0], r[1])), 1):
@@ -268,6 +275,7 @@ def probe_section(ctx: Context) -> str:
         f"cross-validated over {PROBE_FOLDS} stratified folds of {len(rows):,} labelled samples (each held out once). "
         f"Layers are ranked by it; <i>depth</i> is the layer's place in the store, shallow to deep. Chance (always the most "
         f"common class) is {100 * chance:.1f}%." + (f" Before probing: {'; '.join(sorted(made - {''}))}." if made - {""} else "")
+        + esc(ctx.left_out("Probed:"))
     )
     return f"<p class='caption'>{caption}</p>" + Table(columns, table_rows, numeric={"Rank", "Depth", "Features", "Accuracy", "Per fold"}).html()
 
@@ -307,8 +315,12 @@ def stats_section(ctx: Context, table: StatsTable | None, progress: bool) -> str
             source = f"of the stored features themselves, over {len(ctx.sample):,} samples, not of the layers' whole outputs: {esc(e)}"
     flags = {key: table.flags(r) for key, r in table.items()}
     flagged = any(flags.values())
+    layer_of = {a["key"]: a["layer"] for a in ctx.meta["arrays"]}
+    shown = set(ctx.shown) | {layer_of[k] for k in ctx.shown}
+    listed = [key for key in table if key in shown or key.split("#")[0] in shown or flags[key]]
     rows = []
-    for key, r in table.items():
+    for key in listed:
+        r = table[key]
         per_sample = r.shape[1:]
         samples = r.count // max(1, int(np.prod(per_sample, dtype=np.int64)))
         dead = f"{len(r.dead_channels)} / {r.channels}" if r.channels is not None else "?"
@@ -329,6 +341,7 @@ def stats_section(ctx: Context, table: StatsTable | None, progress: bool) -> str
         f"Statistics {source}. Mean, std, min and max are over finite values; <i>zeros</i> is the share of exact zeros "
         "(ReLU outputs are often half zero); a <i>dead</i> channel is zero for every sample. Histogram bars are log-scaled "
         f"counts; hover a bar for its range and count. {verdict}"
+        + esc(left_out("Listed:", listed, list(table), "evenly spread from the first to the last, and every flagged one"))
     )
-    indices = {i for i, key in enumerate(table) if flags[key]}
+    indices = {i for i, key in enumerate(listed) if flags[key]}
     return f"<p class='caption'>{caption}</p>" + Table([*columns, "Flags"] if flagged else columns, rows, numeric=numeric, flagged=indices).html()
