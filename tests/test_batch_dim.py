@@ -93,3 +93,30 @@ def test_an_output_without_a_batch_dimension_is_refused(tmp_path):
     # with another batch size it was refused already
     with pytest.raises(StoreError, match=r"shape \[4, 4\]: no dimension is its batch of 2"):
         layertap.extract_dataset(WithTable(), torch.randn(8, 4), "table", tmp_path / "f.zarr", batch_size=2, **OPTIONS)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max", "flatten"])
+def test_a_sequence_first_output_under_reduce_is_refused_and_a_batch_first_one_stored(tokens, tmp_path, reduce):
+    # [T, B, H] = [4, 4, 8]: "mean"/"max" pool dimension 1 (the batch) to [4, 8], "flatten" gives
+    # [4, 32]; both look batch-first, and only a batch of another size tells
+    with pytest.raises(StoreError, match=r"layer 'enc''s output has shape \[4, \d+\] \(after reduce=\) for a batch of 4 and \[4, \d+\] for 3, so no dimension is the batch's: build the layer batch-first"):
+        layertap.extract_dataset(SequenceFirst(), tokens, "enc", tmp_path / "f.zarr", batch_size=4, reduce=reduce, **OPTIONS)
+    assert not (tmp_path / "f.zarr").exists()
+    model = SequenceFirst(batch_first=True)
+    store = layertap.extract_dataset(model, tokens, "enc", tmp_path / "g.zarr", batch_size=4, reduce=reduce, **OPTIONS)
+    with torch.no_grad():
+        h = model.enc(tokens)  # [B, T, H], the reference: each sample's own pooled row
+    expected = {"mean": h.mean(1), "max": h.amax(1), "flatten": h.flatten(1)}[reduce]
+    torch.testing.assert_close(store.to_torch("enc"), expected, rtol=1e-5, atol=1e-6)  # batches of 4 vs one of 8
+
+
+def test_a_reduced_output_of_a_plainly_batch_first_layer_costs_no_second_batch(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.ReLU()).eval()  # [B, 5, 6, 6]: the batch size nowhere else
+    sizes = []
+    model.register_forward_pre_hook(lambda m, args: sizes.append(len(args[0])))
+    x = torch.randn(8, 3, 8, 8)
+    store = layertap.extract_dataset(model, x, "1", tmp_path / "f.zarr", batch_size=4, reduce="mean", **OPTIONS)
+    assert sizes == [4, 4]
+    with torch.no_grad():
+        torch.testing.assert_close(store.to_torch("1"), model(x).mean((2, 3)), rtol=1e-5, atol=1e-6)

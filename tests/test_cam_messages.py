@@ -79,3 +79,32 @@ def test_inputs_made_under_inference_mode(model):
 def test_inside_inference_mode_is_a_one_line_error(model):
     with torch.inference_mode(), pytest.raises(TapError, match=r"^heatmaps need autograd: call the method outside"):
         GradCAM(model, "3")(torch.randn(1, 3, 16, 16))
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("layer", ["3", None])
+def test_one_image_without_a_batch_dim_is_a_one_line_error(model, method, layer):
+    image = torch.randn(3, 16, 16)
+    with pytest.raises(ArgumentError) as err:
+        METHODS[method](model, layer, progress=False)(image)
+    msg = str(err.value)
+    assert msg.startswith(f"{METHODS[method].__name__} expects a batch [B, C, H, W]; the model failed at layer ")
+    assert msg.endswith("on inputs of shape [3, 16, 16]: for one image, add a batch dimension with x[None]")
+    assert "\n" not in msg
+    # the advice works: the same image as a batch of one gives its map
+    assert METHODS[method](model, layer, progress=False)(image[None]).shape == (1, 16, 16)
+
+
+def test_a_batch_of_1d_signals_is_not_mistaken_for_one_image():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 2))
+    x = torch.randn(2, 3, 16)  # [B, C, L]
+    acts = []
+    handle = net[1].register_forward_hook(lambda _m, _a, out: acts.append(out))
+    logits = net(x)
+    handle.remove()
+    (grad,) = torch.autograd.grad(logits.gather(1, logits.argmax(1, keepdim=True)).sum(), acts[0])
+    raw = (grad.mean(2, keepdim=True) * acts[0]).sum(1).clamp(min=0).detach()
+    raw = raw - raw.amin(1, keepdim=True)
+    want = raw / (1e-7 + raw.amax(1, keepdim=True))  # already at the input's length: no resize
+    torch.testing.assert_close(GradCAM(net, "1")(x), want, rtol=1e-5, atol=1e-6)

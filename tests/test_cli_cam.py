@@ -140,3 +140,23 @@ def test_safe_names_are_cut_with_a_hash():
     names = safe_names(ids)
     assert all(len(n) == 200 for n in names) and names[0] != names[1]
     assert names == safe_names(ids)  # deterministic: the same files get the same names on a rerun
+
+
+@pytest.mark.parametrize(
+    "extra, bad, advice",
+    [
+        ([], "b.png", "Remove or replace the file, or leave it out"),
+        (["--max-image-pixels", "100"], "a.png", "raise the limit (--max-image-pixels N"),  # 400 pixels each
+    ],
+)
+def test_a_bad_image_gets_advice_cam_can_follow(tmp_path, capsys, extra, bad, advice):
+    """cam has no --on-error: its message must not tell the user to pass one (issue 23, item 13)."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(folder / "a.png")
+    (folder / "b.png").write_bytes(b"not an image")
+    assert run(["cam", "layertap:shapes", str(folder), "--out", str(tmp_path / "out"), *extra]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"layertap: error: cannot read image {folder / bad}: ")
+    assert advice in err and "on-error" not in err and "on_error" not in err and "\n" not in err
+    assert not (tmp_path / "out").exists()

@@ -148,3 +148,18 @@ def test_help_shows_an_example_that_runs(setup, capsys, tmp_path):
     assert run(["stats", weights, str(folder), "--arch", ARCH, *args[2:]]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()[1:5]] == [f"features.block{i}" for i in range(1, 5)]
+
+
+def test_a_bad_image_gets_advice_stats_can_follow(setup, tmp_path, capsys):
+    """stats has no --on-error: its message names what it can do instead (issue 23, item 13)."""
+    _, weights, folder, _ = setup
+    bad = tmp_path / "images"
+    bad.mkdir()
+    for p in sorted(folder.rglob("*.png"))[:2]:
+        (bad / p.name).write_bytes(p.read_bytes())
+    (bad / "zz_bad.png").write_bytes(b"not an image")
+    assert run(["stats", weights, str(bad), "--arch", ARCH]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"layertap: error: cannot read image {bad / 'zz_bad.png'}") and "\n" not in err
+    assert "move it out of DATA" in err and "layertap extract --on-error skip" in err
+    assert "on_error='skip'" not in err and not err.endswith("--on-error skip")

@@ -184,7 +184,7 @@ def test_changed_settings_are_refused_unless_overwrite(resnet, tmp_path):
     with pytest.raises(StoreError, match="already holds features"):
         layertap.extract_dataset(resnet, data, "layer1", out, reduce="mean", resume=False, progress=False)
     other = torchvision.models.resnet18(num_classes=5).eval()  # other random weights
-    with pytest.raises(StoreError, match="model weights"):
+    with pytest.raises(StoreError, match=r"model \(fingerprint"):
         layertap.extract_dataset(other, data, "layer1", out, reduce="mean", batch_size=3, progress=False)
     # the same settings find the store complete and return it as it is
     reads = data.reads
@@ -261,7 +261,8 @@ def test_a_run_killed_by_sigkill_resumes_to_the_same_store(tmp_path, format):
     writer.close()
     assert 0 < len(done) < 8, f"chunks done at the kill: {done}"
     resumed = layertap.extract_dataset(model, str(data), ["conv", "pool"], out, format=format, batch_size=4, chunk_size=8, progress=False)
-    assert sum(batches) == 60 - 8 * len(done) + 4  # only the missing chunks ran, and one written batch (checked)
+    # only the missing chunks ran, and the first batch of the first and of the last written chunk (checked)
+    assert sum(batches) == 60 - 8 * len(done) + 4 * min(len(done), 2)
     whole = layertap.extract_dataset(model, str(data), ["conv", "pool"], tmp_path / f"whole-{FORMATS[format]}", format=format, batch_size=4, chunk_size=8, progress=False)
     assert resumed.complete and list(resumed) == list(whole)
     for key in whole:

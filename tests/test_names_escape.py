@@ -136,3 +136,31 @@ def test_a_pattern_that_does_not_compile_is_a_one_line_error(model, spec, shown)
     msg = str(err.value)
     assert msg.startswith(f"{shown} is not a valid pattern") and "backslash" in msg and "\n" not in msg
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+class GlobStar(nn.Module):
+    """A module registered as ``g:*``: its name must not read as "every op of ``g``"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.ModuleDict({"g:*": nn.Linear(4, 4), "h:add": nn.Linear(4, 4)})
+
+    def forward(self, x):
+        return self.d["h:add"](self.d["g:*"](x))
+
+
+@pytest.mark.parametrize("spec", ["d.g:*", r"d.g\:*", r"d.g\:\*"])
+def test_a_module_named_like_every_op_is_tapped_as_the_module(spec):
+    torch.manual_seed(0)
+    model, x = GlobStar().eval(), torch.randn(2, 4)
+    want = reference_outputs(model, x)["d.g:*"]
+    (name,) = layertap.select(model, spec)
+    assert named_layers(model)[name] is model.d["g:*"]
+    with layertap.tap(model, [spec]) as t:
+        model(x)
+    assert t.names == [name] and torch.equal(t[name], want)  # the Linear's output, not its op
+    table = layertap.summary(model, x, ops=True)
+    assert table[name].type == "Linear" and layertap.select(model, name) == [name]
+    with layertap.tap(model, [(lambda n, _m: n == name, "linear")]) as t:  # its op, by a pair
+        model(x)
+    assert torch.equal(t[f"{name}:linear"], want)

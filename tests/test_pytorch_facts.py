@@ -154,16 +154,19 @@ def test_14_hook_on_a_view_is_lost_when_the_view_is_changed_in_place():
     assert fired == []  # this is why layertap hooks a non-view alias of a view
 
 
+class Alias(torch.autograd.Function):
+    """A non-view alias: ``detach()`` inside a custom function, its gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def test_15_detach_in_a_custom_function_is_a_non_view_alias_that_keeps_hooks():
-    class Alias(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.detach()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     lin = nn.Linear(3, 3)
     x = torch.randn(2, 4, 3)
     h = lin(x)
@@ -302,15 +305,6 @@ def test_24_a_full_backward_hook_refuses_an_in_place_module():
 def test_25_copy_from_the_same_memory_moves_nothing_and_the_version_can_be_set_back():
     # what the tap does after a layer changed its input in place through an alias: the caller's
     # tensor gets the layer's history without a copy, and saved values still pass their checks
-    class Alias(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.detach()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
     x = torch.randn(1 << 20, requires_grad=True)
     h = x * 1
     a = Alias.apply(h)

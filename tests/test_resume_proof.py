@@ -5,6 +5,10 @@ computation changed, and the same extraction run again."""
 from __future__ import annotations
 
 import copy
+import os
+import random
+import re
+from os import environ
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from torch import nn
 
 import layertap
 from layertap.data import image_to_tensor
-from layertap.errors import DataChangedError
+from layertap.errors import ArgumentError, DataChangedError
 from layertap.fingerprint import code_fingerprint, model_fingerprint
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
@@ -134,8 +138,21 @@ def train(model):
     model.train()
 
 
-@pytest.mark.parametrize("change", [ablate, change_buffer, change_eps, gelu, train])
-def test_a_resume_after_the_model_changed_is_refused(data, tmp_path, change):
+FINGERPRINT = r"'state (\w+), tree (\w+), code (\w+)'"
+
+
+def differing_parts(message: str) -> set[str]:
+    """Which parts of the model's fingerprint a settings error says differ."""
+    found = re.search(rf"model \(fingerprint of its state, tree and code\) {FINGERPRINT}, now {FINGERPRINT}", message)
+    assert found, message
+    return {part for i, part in enumerate(("state", "tree", "code")) if found[i + 1] != found[i + 4]}
+
+
+@pytest.mark.parametrize(
+    ("change", "parts"),
+    [(ablate, {"state"}), (change_buffer, {"state"}), (change_eps, {"tree"}), (gelu, {"tree", "code"}), (train, {"tree"})],
+)
+def test_a_resume_after_the_model_changed_is_refused(data, tmp_path, change, parts):
     model, x = Tiny(), data.tensors[0][:4]
     before_values = features(model, x, ["layer1", "avgpool"])
     out = tmp_path / "f.zarr"
@@ -143,8 +160,9 @@ def test_a_resume_after_the_model_changed_is_refused(data, tmp_path, change):
     change(model)
     changed = features(copy.deepcopy(model), x, ["layer1", "avgpool"])  # a copy: in train() the forward moves BN's statistics
     assert not np.allclose(changed["layer1"], before_values["layer1"], atol=1e-4)  # the change shows in the features
-    with pytest.raises(StoreError, match=r"was written with other settings: model weights \(fingerprint\) '\w+', now '\w+': pass overwrite=True"):
+    with pytest.raises(StoreError, match=rf"was written with other settings: model \(fingerprint of its state, tree and code\) {FINGERPRINT}, now {FINGERPRINT}: pass overwrite=True") as e:
         layertap.extract_dataset(model, data, ["layer1", "avgpool"], out, **OPTIONS)
+    assert differing_parts(str(e.value)) == parts  # the message says where the difference is
     assert_untouched(out, before)
 
 
@@ -314,3 +332,174 @@ def test_close_allows_rounding_and_exact_does_not(data, tmp_path, monkeypatch):
                 np.testing.assert_allclose(store.to_numpy(key), reference[key], rtol=0, atol=1e-4 * np.abs(reference[key]).max())
     with pytest.raises(ValueError, match="verify must be 'close', 'exact' or 'off', not 'yes'"):
         layertap.extract_dataset(model, dataset, ["a"], tmp_path / "x", verify="yes", **OPTIONS)
+
+
+# ------------------------------------------------------- what the fingerprint also sees (issue 23 follow-up)
+class Gated(Shifted):
+    """A custom class whose forward may be edited; its layers are the library's."""
+
+    def forward(self, x):
+        return self.b(self.a(x.flatten(1)))
+
+
+def clamped_forward(self, x):  # the edit: only large inputs change (not those of the first batch)
+    return self.b(self.a(x.flatten(1).clamp(-20, 20)))
+
+
+def large_after_the_first_batch(data):
+    x = data.tensors[0][:, :, :2, :2].clone()
+    x[4:] *= 10
+    return x
+
+
+def test_an_edited_forward_of_a_custom_class_is_refused(data, tmp_path, monkeypatch):
+    x = large_after_the_first_batch(data)
+    dataset, model, out = torch.utils.data.TensorDataset(x), Gated(), tmp_path / "f.zarr"
+    before = interrupted(model, dataset, out, ["a", "b"])
+    monkeypatch.setattr(Gated, "forward", clamped_forward)
+    assert not np.allclose(features(model, x[4:8], "b")["b"], before[1]["b"][4:8], atol=1e-3)  # the edit shows in chunk 1
+    with pytest.raises(StoreError, match=r"was written with other settings: model \(fingerprint of its state, tree and code\)") as e:
+        layertap.extract_dataset(model, dataset, ["a", "b"], out, **OPTIONS)
+    assert differing_parts(str(e.value)) == {"code"}
+    assert_untouched(out, before)
+
+
+def test_the_code_of_each_class_counts_and_is_hashed_again_when_edited(monkeypatch):
+    model = Gated()
+    original = model_fingerprint(model)
+    assert model_fingerprint(Gated()) == original  # the same class, made again
+    monkeypatch.setattr(Gated, "forward", clamped_forward)
+    edited = model_fingerprint(model)
+    assert edited != original  # the class's own code (not cached from before the edit)
+    monkeypatch.setattr(nn.Linear, "extra_repr", lambda self: f"in_features={self.in_features}, out_features={self.out_features}, bias=True")
+    assert model_fingerprint(model) != edited  # a base library class's code too
+    monkeypatch.undo()
+    assert model_fingerprint(model) == original
+
+
+GATE = float("inf")  # read by Thresholded.forward: a global no fingerprint sees
+
+
+class Thresholded(Gated):
+    def forward(self, x):
+        return self.b(self.a(x.flatten(1).clamp(-GATE, GATE)))
+
+
+def test_the_recompute_check_computes_the_last_written_chunk_too(data, tmp_path, monkeypatch):
+    # a change that shows only on some data: not in chunk 0's first batch, in chunk 1's
+    x = large_after_the_first_batch(data)
+    dataset, model, out = torch.utils.data.TensorDataset(x), Thresholded(), tmp_path / "f.zarr"
+    before = interrupted(model, dataset, out, ["a", "b"])
+    monkeypatch.setitem(globals(), "GATE", 20.0)
+    assert np.array_equal(features(model, x[:4], "a")["a"], before[1]["a"][:4])  # chunk 0 is unchanged
+    with pytest.raises(DataChangedError, match=r"4 of its written samples \(from 4\), computed again, differ from the stored rows in 'a'"):
+        layertap.extract_dataset(model, dataset, ["a", "b"], out, **OPTIONS)
+    assert_untouched(out, before)
+
+
+class Massive(nn.Module):
+    """One channel of a huge constant size (a 'massive activation'), seven ordinary ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        with torch.no_grad():
+            self.conv.bias[7] = 1e4
+        self.eval()
+
+    def forward(self, x):
+        return self.pool(self.conv(x))
+
+
+def test_close_is_per_feature_so_a_massive_channel_hides_no_ablation(data, tmp_path):
+    model, out = Massive(), tmp_path / "f.zarr"
+    before = interrupted(model, data, out, ["pool"])
+    # channel 0 off (a hook: what no fingerprint sees); it is far below 1e-4 of the 1e4 channel
+    model.conv.register_forward_hook(lambda m, args, y: y * torch.tensor([0.0] + [1.0] * 7).view(1, 8, 1, 1))
+    expected = np.abs(before[1]["pool"][:4, 0]).max()
+    assert expected < 1e-4 * np.abs(before[1]["pool"][:8]).max()  # the written rows
+    with pytest.raises(DataChangedError, match=r"in 'pool' by up to (\S+) \(max abs; verify='close' allows \S+ in feature 0, which differs by") as e:
+        layertap.extract_dataset(model, data, ["pool"], out, **OPTIONS)
+    assert f"by up to {expected:.3g} " in str(e.value)
+    assert_untouched(out, before)
+
+
+def test_close_allows_rounding_in_each_feature_and_near_zero():
+    from layertap.dataset import _difference
+
+    old = np.array([[1e4, 1.0, 0.0], [1e4, -2.0, 1e-9]], dtype=np.float32)
+    assert _difference(old * (1 + 1e-6), old, 1e-4) is None  # rounding, relative to each feature
+    near_zero = old.copy()
+    near_zero[:, 2] += 1e-6  # a feature near 0: held to 1e-4 of 1e-3 of the array's largest (1e-3), not to exact
+    assert _difference(near_zero, old, 1e-4) is None
+    ablated = old.copy()
+    ablated[:, 1] = 0
+    assert _difference(ablated, old, 1e-4) == (2.0, 1, 2.0, pytest.approx(1e-3))  # 1e-4 of max(2, 1e-3 * 1e4)
+    assert _difference(old.astype(np.int64) + [[0, 0, 1], [0, 0, 0]], old.astype(np.int64), 1e-4) == (1.0, 2, 1.0, 0.0)
+
+
+def test_an_unrelated_environment_variable_changes_no_fingerprint(monkeypatch):
+    def reduce(t):
+        return t.mean((2, 3)) * (2 if environ.get("FEATURES_DEBUG") else 1)  # a global: os.environ itself
+
+    before = code_fingerprint(reduce)
+    monkeypatch.setenv("SOME_UNRELATED_VARIABLE", "changed")  # another shell, a job id
+    assert code_fingerprint(reduce) == before
+
+
+def test_seeded_random_generators_count_by_their_state():
+    def closing_over(generator):
+        return lambda t: t + torch.rand(1, generator=generator) if isinstance(generator, torch.Generator) else t + generator.random()
+
+    for make in (random.Random, lambda seed: torch.Generator().manual_seed(seed), np.random.default_rng, np.random.RandomState):
+        assert code_fingerprint(closing_over(make(0))) == code_fingerprint(closing_over(make(0))), make
+        assert code_fingerprint(closing_over(make(0))) != code_fingerprint(closing_over(make(1))), make
+
+
+class Opaque(torch.Tensor):
+    """A tensor whose values cannot be read here (like a sharded or fake tensor)."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} is not supported here")
+
+
+def test_models_with_lazy_nested_or_unreadable_tensors_are_fingerprinted_or_refused_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.LazyLinear(3), nn.ReLU())
+    uninitialized = model_fingerprint(lazy)  # no values yet: its kind
+    store = layertap.extract_dataset(lazy, torch.randn(8, 4), ["0"], tmp_path / "lazy.zarr", **OPTIONS)
+    assert store.complete and model_fingerprint(lazy) != uninitialized  # materialized: its values
+    pieces = [torch.ones(2), torch.ones(3)]
+    nested = [nn.Linear(3, 3) for _ in range(3)]
+    for module in nested[1:]:
+        module.load_state_dict(nested[0].state_dict())
+    for module, last in zip(nested, (1.0, 1.0, 2.0)):
+        module.register_buffer("n", torch.nested.nested_tensor([pieces[0], pieces[1] * last]))
+    assert model_fingerprint(nested[0]) == model_fingerprint(nested[1])
+    assert model_fingerprint(nested[0]) != model_fingerprint(nested[2])  # the pieces' values count
+    opaque = nn.Linear(3, 3)
+    opaque.register_buffer("table", Opaque((2, 2)))
+    with pytest.raises(ArgumentError, match=r"^cannot fingerprint buffer 'table' \(torch.strided, torch.float32, Opaque\): its values cannot be read .*: hold it as a plain dense tensor") as e:
+        model_fingerprint(opaque)
+    assert "\n" not in str(e.value)
+
+
+def test_ids_that_are_not_utf8_are_hashed(tmp_path):
+    from layertap.data import open_data
+    from layertap.dataset import _ids_digest
+
+    folder = tmp_path / "images"
+    save_images(generate(2, seed=2, size=16), folder)
+    first = next(p for p in folder.rglob("*.png"))
+    digest = _ids_digest(open_data(folder, batch_size=2))
+    os.rename(first, os.path.join(os.fsencode(first.parent), b"caf\xe9.png"))  # Latin-1, from an old archive
+    source = open_data(folder, batch_size=2)
+    assert any("\udce9" in i for i in source.ids)  # the OS gives it surrogate-escaped
+    assert _ids_digest(source) not in (None, digest)

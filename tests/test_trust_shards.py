@@ -8,13 +8,16 @@ opens its other end after a few seconds, so that a regression fails instead of h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from test_trust_models import zip_bomb
 
@@ -49,15 +52,20 @@ def point_first_shard(folder: Path, target: str, name: str = "model.safetensors.
     return first
 
 
-def refusal(folder: Path, shard: str, problem: str, name: str = "model.safetensors.index.json") -> str:
-    """Load the folder, expect the one-line refusal naming ``shard``; returns the message."""
-    with pytest.raises(ModelLoadError) as refused:
+def refused(folder: Path, start: str, fix: str) -> str:
+    """Load the folder, expect a one-line refusal that starts so and says the fix; returns the message."""
+    with pytest.raises(ModelLoadError) as error:
         load_model(f"hf:{folder}")
-    message = str(refused.value)
+    message = str(error.value)
     assert "\n" not in message, message
-    assert message.startswith(f"hf:{folder}: its shard index {name} names the shard {shard!r}, {problem}"), message
-    assert "fix the index" in message
+    assert message.startswith(f"hf:{folder}: {start}"), message
+    assert fix in message
     return message
+
+
+def refusal(folder: Path, shard: str, problem: str, name: str = "model.safetensors.index.json") -> str:
+    """The refusal of an index ``name`` that names ``shard``."""
+    return refused(folder, f"its shard index {name} names the shard {shard!r}, {problem}", "fix the index")
 
 
 def test_control_a_sharded_folder_loads_its_own_weights(sharded):
@@ -111,6 +119,11 @@ def test_a_system_file_is_refused_in_either_index(tmp_path, target, name):
     folder = bert(tmp_path / "model", max_shard_size="1KB") if name.startswith("model") else bin_sharded(tmp_path / "model")
     point_first_shard(folder, target, name)
     refusal(folder, target, "which is not a file name inside the folder", name)
+
+
+def test_a_shard_name_with_a_nul_byte_is_refused_in_one_line(sharded):
+    point_first_shard(sharded, "model\x00.safetensors")  # os.stat would raise a raw ValueError
+    refusal(sharded, "model\x00.safetensors", "which is not a file name inside the folder")
 
 
 def test_a_link_inside_the_folder_to_a_file_outside_is_refused(sharded, tmp_path):
@@ -189,3 +202,130 @@ def test_a_zip_bomb_among_pickled_weights_is_refused_before_inflating(tmp_path, 
         load_model(f"hf:{folder}")
     assert "\n" not in str(refused.value) and str(refused.value).startswith(f"{bomb} would inflate from ")
     assert "zip bomb" in str(refused.value) and loads == []
+
+
+# ---------------------------------------------------------------- every file of the folder, not only shards
+@pytest.fixture
+def nothing_read(monkeypatch) -> list:
+    """Records every config read or model load that transformers would start: a refusal comes first."""
+    reads: list = []
+    monkeypatch.setattr(transformers.PretrainedConfig, "get_config_dict", classmethod(lambda cls, *a, **k: reads.append(a)))
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: reads.append(a))
+    return reads
+
+
+def file_refusal(folder: Path, name: str, problem: str) -> str:
+    """The refusal of the folder's own file ``name``."""
+    return refused(folder, f"its file {name!r} {problem}", "put the file itself there (cp -L")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model.safetensors", "pytorch_model.bin", "config.json", "generation_config.json", "tokenizer.json", "preprocessor_config.json"],
+)
+def test_an_unsharded_file_linked_out_of_the_folder_is_refused_unread(tmp_path, name, nothing_read):
+    """``model.safetensors -> ../other/secret.safetensors`` loaded the other model's weights (rc 0): any file
+    at the top of the folder is checked, as transformers reads weights, config, tokenizer and processor files."""
+    folder, other = bert(tmp_path / "model"), bert(tmp_path / "other")
+    if name == "pytorch_model.bin":
+        (folder / "model.safetensors").unlink()
+        torch.save(safetensors.torch.load_file(other / "model.safetensors"), other / "secret.bin")
+        secret = other / "secret.bin"
+    else:
+        secret = other / ("secret.safetensors" if name == "model.safetensors" else name)
+        if name == "model.safetensors":
+            (other / name).rename(secret)
+        elif not secret.exists():
+            secret.write_text("{}")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(Path("..") / "other" / secret.name)
+    file_refusal(folder, name, f"links to {secret.resolve()}, outside the folder")
+    assert nothing_read == []
+
+
+def test_control_a_file_linked_inside_the_folder_still_loads(tmp_path):
+    folder = bert(tmp_path / "model")
+    reference = transformers.BertModel.from_pretrained(folder)
+    (folder / "store").mkdir()
+    (folder / "model.safetensors").rename(folder / "store" / "weights.safetensors")
+    (folder / "model.safetensors").symlink_to(Path("store") / "weights.safetensors")
+    loaded = load_model(f"hf:{folder}")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "problem"),
+    [
+        ("model.safetensors", "fifo", "is not a regular file but a FIFO"),
+        ("pytorch_model.bin", "fifo", "is not a regular file but a FIFO"),
+        ("config.json", "fifo", "is not a regular file but a FIFO"),
+        ("model.safetensors", "/dev/zero", "is not a regular file but a character device, /dev/zero"),
+        ("tokenizer.json", "broken", "is a broken link (to gone.json)"),
+    ],
+)
+def test_a_weights_or_config_file_that_is_not_a_regular_file_is_one_line(tmp_path, name, make, problem, nothing_read):
+    """A FIFO or ``/dev/zero`` as the weights gave transformers' raw "no file named model.safetensors"
+    (a FIFO config.json: "Unrecognized model"); now it is named, unopened."""
+    folder = bert(tmp_path / "model")
+    if name == "pytorch_model.bin":  # the folder's only weights
+        (folder / "model.safetensors").unlink()
+    (folder / name).unlink(missing_ok=True)
+    if make == "fifo":
+        os.mkfifo(folder / name)
+    else:
+        (folder / name).symlink_to("gone.json" if make == "broken" else make)
+    file_refusal(folder, name, problem)
+    assert nothing_read == []
+
+
+def hub_snapshot(cache: Path, repo: str = "models--org--tiny", revision: str = "0" * 40) -> Path:
+    """A sharded model as huggingface_hub caches it: each file of ``snapshots/REV/`` a relative
+    link to ``../../blobs/HASH``, ``refs/main`` naming the revision. Returns the snapshot folder."""
+    download = bert(cache.parent / f"download-{repo}", max_shard_size="1KB")
+    blobs, snapshot = cache / repo / "blobs", cache / repo / "snapshots" / revision
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (cache / repo / "refs").mkdir()
+    (cache / repo / "refs" / "main").write_text(revision)
+    for file in download.iterdir():
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blobs / digest)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
+    return snapshot
+
+
+def test_control_a_hub_cache_snapshot_loads(tmp_path):
+    snapshot = hub_snapshot(tmp_path / "hub")
+    assert len(set(index_of(snapshot)["weight_map"].values())) > 1 and all(f.is_symlink() for f in snapshot.iterdir())
+    reference = transformers.BertModel.from_pretrained(tmp_path / "download-models--org--tiny")
+    loaded = load_model(f"hf:{snapshot}")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("repo", "target"),
+    [
+        ("x", "elsewhere/stolen.safetensors"),  # a folder under any snapshots/ was taken for a Hub cache
+        ("models--org--tiny", "models--org--tiny/elsewhere/stolen.safetensors"),  # beside the repo's blobs/
+        ("models--org--tiny", "models--org--other/blobs/stolen"),  # another repo's blobs
+        ("models--org--tiny", "models--org--tiny/blobs/sub/stolen"),  # not a blob of the flat blobs/
+    ],
+)
+def test_a_hub_like_snapshot_links_only_into_its_own_repos_blobs(tmp_path, repo, target, nothing_read):
+    """The exception is the real layout, ``<cache>/models--ORG--NAME/snapshots/REV/`` linking into
+    that ``models--ORG--NAME/blobs/``: a shard linked to a sibling of ``snapshots/`` loaded (rc 0)."""
+    cache = tmp_path / "hub"
+    snapshot = hub_snapshot(cache, repo)
+    if not repo.startswith("models--"):  # as the outside tester had it: the folder's own files, but for one shard
+        for file in snapshot.iterdir():
+            blob = file.resolve()
+            file.unlink()
+            shutil.copyfile(blob, file)
+    first = sorted(set(index_of(snapshot)["weight_map"].values()))[0]
+    stolen = cache / (target if repo.startswith("models--") else f"{repo}/{target}")
+    stolen.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(snapshot / first, stolen)
+    (snapshot / first).unlink()
+    (snapshot / first).symlink_to(stolen)
+    refusal(snapshot, first, f"which links to {stolen.resolve()}, outside the folder")
+    assert nothing_read == []

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import nested
-from .errors import ArgumentError, LayertapError, LayoutError, TapError, require
+from .errors import ArgumentError, LayerForwardError, LayertapError, LayoutError, TapError, require
 from .failures import explain_failures
 from .features import run_model
 from .overlay import Colormap, overlay
@@ -344,7 +344,8 @@ class CAM:
     ``[0, 1]`` of shape ``[B, *spatial]``, float32, on the input's device. After a call,
     `logits` holds the scored output and `target_classes` the classes explained. A call under
     ``torch.no_grad()`` gives the same maps (the graph after the layer is the method's own); an
-    empty batch, or a call inside ``torch.inference_mode()``, is a one-line error.
+    empty batch, or a call inside ``torch.inference_mode()``, is a one-line error, and so is a
+    3-D input the model fails on (one image ``[C, H, W]``: add a batch dimension with ``x[None]``).
     """
 
     uses_gradients: ClassVar[bool] = True
@@ -394,6 +395,20 @@ class CAM:
         per_image = _per_image(targets)
         if per_image is not None and len(per_image) != len(inputs):  # checked whole, before batches cut it
             raise _count_error(len(per_image), len(inputs))
+        try:
+            return self._call(inputs, targets, per_image)
+        except LayerForwardError as e:
+            if inputs.dim() != 3:
+                raise
+            # most likely one image [C, H, W], read as C images: say so, not what its first conv made of it
+            raise ArgumentError(
+                f"{type(self).__name__} expects a batch [B, C, H, W]; the model failed at layer {e.layer!r} "
+                f"({e.module_type}) on inputs of shape {list(inputs.shape)}: for one image, add a batch "
+                "dimension with x[None]"
+            ) from e
+
+    def _call(self, inputs: torch.Tensor, targets: Targets, per_image: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
+        """`__call__` once its arguments are checked."""
         if self.layers is None:  # one image is enough to find the layer: the probe is a full backward
             self.layers = [self._default_layer(inputs[:1], targets if per_image is None else per_image[:1])]
         step = self.batch_size or len(inputs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -89,7 +90,8 @@ def _ids_digest(source: DataSource) -> str | None:
         return None
     digest = hashlib.sha256()
     for i in source.ids:
-        digest.update(f"{i}\0".encode())
+        # a file name that is not UTF-8 (surrogate-escaped by the OS) is hashed as its own bytes
+        digest.update(f"{i}\0".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()[:16]
 
 
@@ -130,13 +132,26 @@ class _Forward:
     Each output is stored one row per sample, so its batch dimension must be the first. That is
     known, not guessed: a leaf whose first size is not the batch's is refused; one where the
     batch size also appears in another dimension (a ``[T, B, H]`` output with ``T == B``) is run
-    once more on a batch of another size, to see which dimension follows it.
+    once more on a batch of another size, to see which dimension follows it. Under a
+    ``reduce=``, that is decided on the layers' raw outputs, which the reduction sees first: it
+    may pool the batch away (``"mean"`` of a ``[T, B, H]`` output is ``[T, H]``), leaving a first
+    size that only equals the batch's.
     """
 
     def __init__(self, model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.dtype | None, device: torch.device) -> None:
         self.model, self.names, self.device = model, names, device
+        pool = reducer(reduce)
+        self.reduced = pool is not None
+        self.raw: list[torch.Size] | None = [] if pool is not None else None  # shapes the reduction saw, until proven
+
+        def reduce_recording(t: torch.Tensor) -> torch.Tensor:
+            if self.raw is not None:
+                self.raw.append(t.shape)
+            assert pool is not None
+            return pool(t)
+
         # one Tap, entered per batch: it learns once which values need copying (see layertap.tap)
-        self.tap: Tap = tap(model, names, reduce=reduce, dtype=dtype, stop_early=True)
+        self.tap: Tap = tap(model, names, reduce=reduce_recording if pool is not None else None, dtype=dtype, stop_early=True)
         self.batch_first: set[tuple[str, int | None]] = set()  # the leaves proven batch-first
 
     def __call__(self, inputs: Any, n: int) -> Leaves:
@@ -145,9 +160,12 @@ class _Forward:
         for key, t in leaves.items():
             if t.dim() == 0 or t.shape[0] != n:
                 raise _not_batch_first(key, t.shape, n, [d for d, size in enumerate(t.shape) if size == n])
-        if unsure := [k for k, t in leaves.items() if k not in self.batch_first and n in t.shape[1:]]:
+        # which reduced leaf a raw output became is not known: one not plainly batch-first makes all unsure
+        pooled = any(len(s) == 0 or s[0] != n or n in s[1:] for s in self.raw or ())
+        if unsure := [k for k, t in leaves.items() if k not in self.batch_first and (pooled or n in t.shape[1:])]:
             self._probe(inputs, n, {k: leaves[k].shape for k in unsure})
         self.batch_first.update(leaves)
+        self.raw = None  # every leaf proven: the reduction need not be watched again
         return leaves
 
     def _run(self, inputs: Any) -> Leaves:
@@ -180,9 +198,11 @@ class _Forward:
             got = other[key].shape
             follows = [d for d, (a, b) in enumerate(zip(shape, got)) if a == n and b == m]
             if len(got) != len(shape) or any(a != b for d, (a, b) in enumerate(zip(shape, got)) if d not in follows) or not follows:
+                reduced = " (after reduce=)" if self.reduced else ""
                 raise StoreError(
-                    f"{_leaf_name(key)} has shape {list(shape)} for a batch of {n} and {list(got)} for {m}, so no dimension "
-                    "is the batch's: tap another layer, or reduce it with a callable that returns [batch, ...]"
+                    f"{_leaf_name(key)} has shape {list(shape)}{reduced} for a batch of {n} and {list(got)} for {m}, so no "
+                    "dimension is the batch's: build the layer batch-first (e.g. batch_first=True), tap another layer, or "
+                    "reduce it with a callable that returns [batch, ...]"
                 )
             if 0 not in follows:
                 raise _not_batch_first(key, shape, n, follows)
@@ -442,9 +462,10 @@ def extract_dataset(
             store, removing only what layertap wrote (a store folder that also holds other
             files is refused, naming them). One extraction writes a store at a time: another one
             running on ``out`` is an error naming it (`layertap.errors.StoreLockedError`).
-        verify: before a resumed run writes anything, it recomputes one written batch (the first
-            of the first written chunk) and compares it with the stored rows: ``"close"`` within
-            1e-4 of each array's largest value (1e-2 for 16-bit features or models), ``"exact"``
+        verify: before a resumed run writes anything, it recomputes written batches (the first
+            of the first and of the last written chunk) and compares them with the stored rows:
+            ``"close"`` within 1e-4 of each feature's largest value, or of 1e-3 of the array's if
+            more (1e-2 for 16-bit features or models), ``"exact"``
             bit for bit (the same machine, libraries and threads), or ``"off"``. A difference is
             a `layertap.errors.DataChangedError` naming the first array that differs and by how
             much: something the settings' fingerprints do not see changed (an edited
@@ -531,7 +552,8 @@ def extract_dataset(
 
 
 def _tolerance(verify: Verify, model: nn.Module, dtype: torch.dtype | None) -> float:
-    """How far recomputed rows may be from stored ones, as a fraction of their largest value."""
+    """How far recomputed rows may be from stored ones, as a fraction of each feature's largest
+    value (see `_difference`)."""
     if verify == "exact":
         return 0.0
     half = (torch.float16, torch.bfloat16)
@@ -585,7 +607,7 @@ class _Run:
         self.reader: Iterator[Computed] | None = None  # the run's batches, when reading them began there
         self.end = 0  # where the data read so far ended (for data of unknown length)
         self.verify, self.rtol = verify, rtol  # how a resume recomputes a written batch, and within what
-        self.recomputed = False
+        self.to_recompute: list[int] = []  # the written chunks whose first batch a resume computes again
 
     @property
     def store(self) -> StoreWriter:
@@ -607,12 +629,15 @@ class _Run:
         verifier = None
         if state == "resume":
             say(f"resuming {self.out}: {len(done)} of {store.num_chunks or '?'} chunks already written", self.progress)
+            # the first batch of the first and of the last written chunk: two ends of what was
+            # written, so a change that shows only on some data has two chances to show
+            self.to_recompute = sorted({done[0], done[-1]}) if done and self.verify != "off" else []
             recorded = {c: m.digests for c, m in store.markers().items() if m.digests is not None}
             verifier = Verifier(recorded, store.chunk_size, self.source, str(self.out))
             if self.source.indexed:  # a stream is checked as it is read again
                 procs.share(verifier.check_all)
-                if done and self.verify != "off":
-                    procs.share(lambda: self._recompute(done[0]))
+                for chunk in list(self.to_recompute):  # each is crossed off when compared
+                    procs.share(functools.partial(self._recompute, chunk))
         end = procs.together(lambda: self._batches(done, verifier))
         procs.share(lambda: store.finish(self.source.num_samples or end))
 
@@ -692,7 +717,7 @@ class _Run:
                 if verifier is not None and written.any():
                     old = batch.take(np.flatnonzero(written))
                     verifier.check(old.index, batch_digests(self.source, old))
-                    if self.verify != "off" and not self.recomputed and len(old):
+                    if len(old) and int(old.index[0]) // self.store.chunk_size in self.to_recompute:
                         self._compare(old)
                 batch = batch.take(np.flatnonzero(~written))
             yield batch, (self.forward(batch.inputs, len(batch)) if len(batch) else {})
@@ -739,8 +764,8 @@ class _Run:
 
     def _compare(self, batch: Batch) -> None:
         """Raise `DataChangedError` at the first array whose recomputed rows of ``batch`` (written
-        ones) differ from the stored rows by more than ``self.verify`` allows."""
-        self.recomputed = True
+        ones, the first of their chunk) differ from the stored rows by more than ``self.verify`` allows."""
+        self.to_recompute.remove(int(batch.index[0]) // self.store.chunk_size)
         arrays = {array_key(*k): t for k, t in self.forward(batch.inputs, len(batch)).items()}
         self._check(arrays, batch)
         lo = int(batch.index.min())
@@ -748,12 +773,14 @@ class _Run:
         for spec in self.store.specs:
             new = arrays[spec.key].detach().cpu().numpy()
             old = np.asarray(self.store.backend.array(spec.path)[lo : lo + int(rows.max()) + 1])[rows]
-            err, allowed = _difference(new, old, self.rtol)
-            if err > allowed:
+            found = _difference(new, old, self.rtol)
+            if found is not None:
+                err, feature, at, allowed = found
+                where = f" in feature {feature}, which differs by {at:.3g}" if allowed else ""
                 raise DataChangedError(
                     f"{self.out} cannot be resumed: {len(batch)} of its written samples (from {batch.ids[0]!r}), computed again, "
                     f"differ from the stored rows in {spec.key!r} by up to {err:.3g} (max abs; verify={self.verify!r} allows "
-                    f"{allowed:.3g}): what computes the features changed since they were written (the model's code, a "
+                    f"{allowed:.3g}{where}): what computes the features changed since they were written (the model's code, a "
                     "library, a kernel), so new rows would not match them: restore it, or pass overwrite=True "
                     "(--overwrite) to extract everything again"
                 )
@@ -770,19 +797,30 @@ class _Run:
                 )
 
 
-def _difference(new: np.ndarray, old: np.ndarray, rtol: float) -> tuple[float, float]:
-    """``(the largest absolute difference, the largest allowed)``: ``rtol`` times the stored
-    rows' largest magnitude (0 for integers). NaN and infinities must sit in the same places."""
+def _difference(new: np.ndarray, old: np.ndarray, rtol: float) -> tuple[float, int, float, float] | None:
+    """``None`` when recomputed rows ``new`` match the stored ``old`` within ``rtol``, else
+    ``(the largest absolute difference, the feature most beyond its allowance, its difference,
+    its allowance)``. The allowance is per feature (a column of the flattened rows): ``rtol``
+    times that feature's largest stored magnitude, at least 1e-3 of the whole array's, so one
+    massive channel hides no change in the others and features near 0 are not held to exact.
+    Integers must be equal; NaN and infinities must sit in the same places."""
+    new, old = new.reshape(len(new), -1), old.reshape(len(old), -1)
     if not np.issubdtype(old.dtype, np.inexact):
-        diff = np.abs(new.astype(np.float64) - old.astype(np.float64))
-        return float(diff.max(initial=0.0)), 0.0
+        rtol = 0.0
     new, old = new.astype(np.float64), old.astype(np.float64)
     finite = np.isfinite(new) & np.isfinite(old)
     if not (finite | (new == old) | (np.isnan(new) & np.isnan(old))).all():  # equal infinities are the same
-        return float("inf"), 0.0
+        bad = int(np.flatnonzero(~(finite | (new == old) | (np.isnan(new) & np.isnan(old))).any(0))[0])
+        return float("inf"), bad, float("inf"), 0.0
     with np.errstate(invalid="ignore"):  # inf - inf, where the mask drops it
-        err = float(np.where(finite, np.abs(new - old), 0.0).max(initial=0.0))
-    return err, rtol * float(np.where(np.isfinite(old), np.abs(old), 0.0).max(initial=0.0))
+        diff = np.where(finite, np.abs(new - old), 0.0).max(0, initial=0.0)
+    size = np.where(np.isfinite(old), np.abs(old), 0.0).max(0, initial=0.0)
+    allowed = rtol * np.maximum(size, 1e-3 * size.max(initial=0.0))
+    beyond = diff - allowed
+    if not (beyond > 0).any():
+        return None
+    worst = int(np.argmax(beyond / np.maximum(allowed, np.finfo(np.float64).tiny)))
+    return float(diff.max()), worst, float(diff[worst]), float(allowed[worst])
 
 
 __all__ = ["extract_dataset", "model_fingerprint"]

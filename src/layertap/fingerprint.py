@@ -39,15 +39,19 @@ False
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import hashlib
 import io
 import logging
+import os
+import random
 import re
 import threading
 import types
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +61,14 @@ from torch import nn
 
 from . import nested
 from .data import Batch, DataSource, Failure
-from .errors import DataChangedError
+from .errors import ArgumentError, DataChangedError
 
 # ----------------------------------------------------------------------- the computation
 MAX_DEPTH = 24  # objects nested deeper are described by their class only
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 # what a function may name without computing with it: known by their class, not their state
 # (a logger's state, for one, is every logger of the process)
-_ENVIRONMENT = (logging.Logger, logging.Handler, io.IOBase, threading.Thread)
+_ENVIRONMENT = (logging.Logger, logging.Handler, io.IOBase, threading.Thread, os._Environ)
 _BUILTIN = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType, types.ClassMethodDescriptorType)
 
 
@@ -90,10 +94,13 @@ class _Hasher:
     object met again (a cycle, or shared) is fed as a reference to its first visit.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parts: bool = False) -> None:
         self.digest = hashlib.sha256()
+        # a model's fingerprint in three parts, so that a difference says where it is
+        self.parts = {"state": hashlib.sha256(), "tree": self.digest, "code": hashlib.sha256()} if parts else None
         self.seen: dict[int, int] = {}
         self.alive: list[Any] = []  # keeps visited objects alive, so their ids stay theirs
+        self.where = ""  # the module tensor being hashed, for an error
 
     def feed(self, *parts: Any) -> None:
         for part in parts:
@@ -102,7 +109,19 @@ class _Hasher:
             self.digest.update(data)
 
     def hexdigest(self) -> str:
+        if self.parts is not None:
+            return ", ".join(f"{part} {digest.hexdigest()[:16]}" for part, digest in self.parts.items())
         return self.digest.hexdigest()[:16]
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Feed what is fed meanwhile into part ``name`` (when the hash has parts)."""
+        outer = self.digest
+        self.digest = self.parts[name] if self.parts is not None else outer
+        try:
+            yield
+        finally:
+            self.digest = outer
 
     def value(self, obj: Any, depth: int = 0) -> None:
         if isinstance(obj, _PLAIN):
@@ -123,8 +142,22 @@ class _Hasher:
         self.seen[id(obj)] = len(self.seen)
         self.alive.append(obj)
         depth += 1
-        if isinstance(obj, torch.Tensor):
-            self.feed("tensor", obj.dtype, tuple(obj.shape), _tensor_bytes(obj))
+        # a lazy module's tensors have no shape and no values yet: their kind
+        if isinstance(obj, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
+            self.feed("uninitialized", _name(type(obj)))
+        elif isinstance(obj, torch.Tensor):
+            self.tensor(obj, depth)
+        elif isinstance(obj, random.Random):  # seeded or drawn from: its state, not its (empty) attributes
+            self.feed("random", _name(type(obj)), repr(obj.getstate()))
+        elif isinstance(obj, torch.Generator):
+            self.feed("generator", obj.device.type)
+            self.value(obj.get_state(), depth)
+        elif isinstance(obj, np.random.Generator):
+            self.feed("numpy generator")
+            self.value(obj.bit_generator.state, depth)
+        elif isinstance(obj, np.random.RandomState):
+            self.feed("numpy random state")
+            self.value(obj.get_state(legacy=False), depth)
         elif isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 self.feed("array", obj.shape)
@@ -168,6 +201,21 @@ class _Hasher:
         else:
             self.instance(obj, depth)
 
+    def tensor(self, t: torch.Tensor, depth: int) -> None:
+        if t.is_nested:  # its pieces, each whole (a nested tensor has no bytes of its own to read)
+            self.feed("nested", t.dtype)
+            self.value(list(t.detach().unbind()), depth)
+            return
+        try:
+            data = _tensor_bytes(t)
+        except RuntimeError as e:
+            raise ArgumentError(
+                f"cannot fingerprint {self.where or 'a tensor'} ({t.layout}, {t.dtype}, {type(t).__name__}): its values "
+                f"cannot be read ({str(e).splitlines()[0]}), and a store is only resumed for a model whose values are known: "
+                "hold it as a plain dense tensor (e.g. .to_dense()) while extracting"
+            ) from e
+        self.feed("tensor", t.dtype, tuple(t.shape), data)
+
     def instance(self, obj: Any, depth: int) -> None:
         """Any other object: its class and its attributes (``vars()``, ``__slots__``), else its repr."""
         self.feed("object", _name(type(obj)))
@@ -208,6 +256,8 @@ class _Hasher:
         self.feed("module", _name(type(model)))
         for name, module in model.named_modules():
             self.feed(name, _name(type(module)), module.training, module.extra_repr())
+            with self.part("code"):
+                self.feed(_class_code(type(module)))
             for key, value in vars(module).items():
                 # torch's own bookkeeping, and layertap's note of the spec a model was loaded from
                 # (the same weights loaded through another spec compute the same values)
@@ -216,8 +266,44 @@ class _Hasher:
                     self.value(value, depth)
             for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
                 for key, t in tensors.items():
-                    self.feed(kind, key, key in module._non_persistent_buffers_set)
-                    self.value(t, depth)
+                    self.where = f"{kind} {'.'.join(filter(None, (name, key)))!r}"
+                    with self.part("state"):
+                        self.feed(kind, key, key in module._non_persistent_buffers_set)
+                        self.value(t, depth)
+                    self.where = ""
+
+
+# class -> (the functions its code was hashed from, the digest): a class edited since (a method
+# replaced) is hashed again; holding the functions keeps their ids from being reused
+_CLASS_CODE: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def _functions(value: Any) -> list[types.FunctionType]:
+    """The Python functions a class attribute holds: a function, a static or class method's, a property's."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+    return [f for f in parts if isinstance(f, types.FunctionType)]
+
+
+def _class_code(cls: type) -> str:
+    """A digest of the code of a module's class: the functions in the own ``__dict__`` of each class
+    of its MRO up to `nn.Module` (their code objects and defaults), so an edited ``forward`` counts."""
+    mro = cls.__mro__
+    found = tuple(
+        (c, key, f) for c in mro[: mro.index(nn.Module) if nn.Module in mro else len(mro)] for key, value in vars(c).items() for f in _functions(value)
+    )
+    cached = _CLASS_CODE.get(cls)
+    if cached is not None and len(cached[0]) == len(found) and all(a[2] is b[2] for a, b in zip(cached[0], found)):
+        return cached[1]
+    hasher = _Hasher()
+    for c, key, f in found:
+        hasher.feed(_name(c), key)
+        hasher.code(f.__code__, 0)
+        hasher.value(f.__defaults__)
+        hasher.value(f.__kwdefaults__)
+    _CLASS_CODE[cls] = (found, hasher.hexdigest())
+    return _CLASS_CODE[cls][1]
 
 
 def _name(obj: Any) -> str:
@@ -236,19 +322,21 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """16 hex digits of SHA-256 over the whole of ``model``: its module tree (class,
-    ``extra_repr()``, training flag and public attributes of each module) and every tensor of
-    its state, parameters and buffers (persistent or not), hashed whole.
+    """The SHA-256 of the whole of ``model``, in three parts of 16 hex digits each, so that a
+    difference says where it is: ``state`` (every tensor of its state, parameters and buffers,
+    persistent or not, hashed whole), ``tree`` (the module tree: each module's class name,
+    ``extra_repr()``, training flag and public attributes) and ``code`` (the code of each
+    module's class and its bases up to `nn.Module`).
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
     >>> before = model_fingerprint(model)
     >>> with torch.no_grad():
     ...     model[0].weight[0, 1] += 1e-6
-    >>> model_fingerprint(model) != before
-    True
+    >>> [part.split()[1] == old.split()[1] for part, old in zip(model_fingerprint(model).split(", "), before.split(", "))]
+    [False, True, True]
     """
-    hasher = _Hasher()
+    hasher = _Hasher(parts=True)
     with torch.no_grad():
         hasher.value(model)
     return hasher.hexdigest()

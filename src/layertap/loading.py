@@ -8,10 +8,12 @@ Accepted specs:
 - ``hf:PATH_OR_NAME``: Hugging Face ``transformers.AutoModel`` from a local folder or the Hub.
   A folder that brings its own Python code (``auto_map`` in its config or its image processor's
   config) is refused unless ``trust=True`` (``--trust``), and pickled ``.bin`` weights are read
-  only as plain tensors. A shard index (``model.safetensors.index.json``,
-  ``pytorch_model.bin.index.json``) is data: every shard it names must be a regular file inside
-  the folder (no absolute path, no ``..``, no link out, no device or FIFO), checked before any is
-  opened. A path that does not exist is an error, not a Hub name;
+  only as plain tensors. A folder's files are data: each file at its top (config, weights,
+  tokenizer and processor files) and each shard a shard index (``model.safetensors.index.json``,
+  ``pytorch_model.bin.index.json``) names must be a regular file inside the folder (no absolute
+  shard name, no ``..``, no link out, no device or FIFO), checked before any is opened; a Hub cache
+  snapshot (``models--ORG--NAME/snapshots/REV/``) may link only into that repo's ``blobs/``.
+  A path that does not exist is an error, not a Hub name;
 - ``PATH.pt`` / ``PATH.pth``: a state dict for ``arch=`` (another spec). Files are read with
   ``torch.load(weights_only=True)``, which never runs code from the file; a pickled ``nn.Module``
   is refused unless ``trust=True`` (``--trust``). An archive whose records would inflate to more
@@ -48,8 +50,10 @@ import difflib
 import functools
 import importlib
 import json
+import os
 import pickle
 import re
+import stat
 import urllib.parse
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
@@ -368,7 +372,48 @@ def _is_path(path_or_name: str) -> bool:
     return Path(path_or_name).is_absolute() or path_or_name.startswith((".", "~")) or path_or_name.count("/") > 1
 
 
-def _shards_inside(spec: str, folder: Path, index: Path) -> list[str]:
+_NOT_REGULAR = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Folder:
+    """Where the files of a model folder may lie: in the folder itself, or, for a Hugging Face
+    cache snapshot (``<cache>/models--ORG--NAME/snapshots/<revision>/``), in that same repo's
+    ``blobs/``, which its files link to."""
+
+    root: Path  # resolved
+    blobs: Path | None
+
+    @classmethod
+    def of(cls, folder: Path) -> _Folder:
+        root = folder.resolve()
+        repo = root.parent.parent
+        hub = root.parent.name == "snapshots" and repo.name.startswith("models--") and len(repo.name) > 8
+        return cls(root, repo / "blobs" if hub else None)
+
+    def problem(self, path: Path) -> str | None:
+        """Why ``path`` may not be read as one of the folder's files, or None: checked with
+        ``stat`` alone, as opening a FIFO blocks and a device reads anything."""
+        try:
+            mode = path.stat().st_mode  # follows links
+        except OSError:  # missing, a link that leads nowhere (or round in a loop)
+            return f"is a broken link (to {os.readlink(path)})" if path.is_symlink() else "is not in the folder"
+        target = path.resolve()
+        if not stat.S_ISREG(mode):
+            linked = f", {target}" if path.is_symlink() else ""
+            return f"is not a regular file but {_NOT_REGULAR.get(stat.S_IFMT(mode), 'a special file')}{linked}"
+        if not (target.is_relative_to(self.root) or target.parent == self.blobs):
+            return f"links to {target}, outside the folder"
+        return None
+
+
+def _shards_inside(spec: str, folder: _Folder, index: Path) -> list[str]:
     """The shards an index names, refused unless all are regular files inside ``folder``, before any is opened.
 
     transformers joins each name to the folder as it is: an absolute name, or one with ``..``,
@@ -378,26 +423,41 @@ def _shards_inside(spec: str, folder: Path, index: Path) -> list[str]:
         shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelLoadError(f"{spec}: its shard index {index.name} cannot be read as JSON with a weight_map ({_reason(e)}); save the model again") from e
-    root = folder.resolve()
-    if root.parent.name == "snapshots":  # a Hub cache snapshot: its files link to the repo's blobs/
-        root = root.parent.parent
     for name in sorted(shards, key=str):
-        where = folder / str(name)
-        problem = None
-        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
-            problem = "which is not a file name inside the folder"
-        elif not where.exists():
-            problem = "which is not in the folder"
-        elif not where.resolve().is_relative_to(root):
-            problem = f"which links to {where.resolve()}, outside the folder"
-        elif not where.is_file():
-            problem = "which is not a regular file (a folder, device or FIFO)"
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name or "\0" in name:
+            problem: str | None = "is not a file name inside the folder"
+        else:
+            problem = folder.problem(index.parent / name)
         if problem is not None:
             raise ModelLoadError(
-                f"{spec}: its shard index {index.name} names the shard {name!r}, {problem}; a shard index may "
+                f"{spec}: its shard index {index.name} names the shard {name!r}, which {problem}; a shard index may "
                 "name only weight files in the model's folder: fix the index, or put the shards there"
             )
     return sorted(shards)
+
+
+def _folder_files(spec: str, path: Path) -> list[str]:
+    """The weight files transformers may read from the model folder ``path``, before it opens any.
+
+    Every file at the top of the folder (config, weights, shard indexes, tokenizer and processor
+    files: the list grows with transformers' versions, so all are checked) and every shard an
+    index names must be a regular file inside the folder: a link out of it would load another
+    model's (or anyone's) file, a FIFO hangs, a device reads endlessly. Folders are not read.
+    """
+    folder = _Folder.of(path)
+    weights = ["pytorch_model.bin"]
+    for name in _SHARD_INDEXES:  # first, so that a bad shard is named as the index's
+        index = path / name
+        if index.is_file() and folder.problem(index) is None:  # else refused below
+            weights += _shards_inside(spec, folder, index)
+    for entry in sorted(path.iterdir()):
+        problem = None if entry.is_dir() else folder.problem(entry)
+        if problem is not None:
+            raise ModelLoadError(
+                f"{spec}: its file {entry.name!r} {problem}; layertap reads only regular files inside the "
+                "model's folder: put the file itself there (cp -L copies what a link points to), or remove it"
+            )
+    return weights
 
 
 def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
@@ -408,18 +468,14 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
         raise ModelLoadError(
             f"{spec}: there is no model folder at {folder}: check the path (a Hub model is named NAME or ORG/NAME)"
         )
+    if folder.is_dir():  # a Hub model's files are downloaded by name into the cache's own folder
+        for name in _folder_files(spec, folder):  # transformers torch.loads pickled weights, inflating them whole
+            if name.endswith(".bin") and (folder / name).is_file():
+                _check_zip_weights(folder / name)
     # with trust_remote_code=False, transformers would quietly use its own class for a known model
     # type: refuse instead, as the folder means its own code
     if not trust and "auto_map" in transformers.PretrainedConfig.get_config_dict(path_or_name)[0]:
         raise _custom_code(spec)
-    if folder.is_dir():  # a Hub model's shards are downloaded by name into the cache's own folder
-        weights = ["pytorch_model.bin"]
-        for name in _SHARD_INDEXES:
-            if (folder / name).is_file():
-                weights += _shards_inside(spec, folder, folder / name)
-        for name in weights:  # transformers torch.loads pickled weights, inflating them whole
-            if name.endswith(".bin") and (folder / name).is_file():
-                _check_zip_weights(folder / name)
     # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
     with _hf_refusals(spec):
         model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)

@@ -28,7 +28,8 @@ as ``"d:relu"``, or with ``*`` or ``?``) are selected like any other:
   ``r"d\:relu:add"`` (the op ``add`` of module ``d:relu``), ``r"x\*"``;
 - every name layertap reports is a spec that selects exactly that layer: a ``:`` or ``\`` inside a
   module's own name is reported escaped (module ``d:relu`` is ``"d\:relu"``, its ops
-  ``"d\:relu:add"``), so a module name never reads as an op. The op ``relu`` of a module ``d``
+  ``"d\:relu:add"``), and so is a ``*`` after a ``:`` (module ``g:*`` is ``"g\:\*"``), so a
+  module name never reads as an op. The op ``relu`` of a module ``d``
   beside a module ``d:relu`` is the pair ``("d", "relu")`` in a list.
 
 Globs and regexes are matched against the names as modules have them (``re:d\:relu`` or
@@ -65,8 +66,9 @@ _GLOB = re.compile(r"(?<!\\)(?:\\\\)*[*?\[]")  # an unescaped glob metacharacter
 
 
 def escape(name: str) -> str:
-    """A module's own name (one segment) as layertap reports it: ``:`` and ``\\`` escaped."""
-    return name.replace("\\", "\\\\").replace(":", "\\:")
+    """A module's own name (one segment) as layertap reports it: ``:`` and ``\\`` escaped, and a
+    ``*`` after a ``:``, so that no module name reads as ``"MODULE:*"`` (every op of a module)."""
+    return name.replace("\\", "\\\\").replace(":", "\\:").replace("\\:*", "\\:\\*")
 
 
 def unescape(name: str) -> str:

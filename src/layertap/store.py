@@ -147,7 +147,15 @@ def array_specs(entries: Sequence[tuple[str, int | None, tuple[int, ...], str]])
     Layer names that sanitise (or case-fold, on macOS) to the same file get a ``-2``, ``-3`` suffix.
     """
     specs, bases, taken = [], {}, set()
+    keys: dict[str, tuple[str, int | None]] = {}
     for layer, leaf, shape, dtype in entries:
+        key = array_key(layer, leaf)
+        if key in keys:  # a module named "a/0" beside tensor 0 of a module "a": refused before anything is written
+            raise StoreError(
+                f"{_array_what(*keys[key])} and {_array_what(layer, leaf)} would both be stored as {key!r} (a '/' joins a "
+                "layer to its tensor's index): extract them into separate stores, or rename the module"
+            )
+        keys[key] = (layer, leaf)
         if layer not in bases:
             base, n = safe_name(layer), 1
             while (base if n == 1 else f"{base}-{n}").lower() in taken:
@@ -155,8 +163,12 @@ def array_specs(entries: Sequence[tuple[str, int | None, tuple[int, ...], str]])
             bases[layer] = base if n == 1 else f"{base}-{n}"
             taken.add(bases[layer].lower())
         path = f"features/{bases[layer]}" + ("" if leaf is None else f"/{leaf}")
-        specs.append(ArraySpec(array_key(layer, leaf), path, layer, leaf, tuple(shape), dtype))
+        specs.append(ArraySpec(key, path, layer, leaf, tuple(shape), dtype))
     return specs
+
+
+def _array_what(layer: str, leaf: int | None) -> str:
+    return f"layer {layer!r}" if leaf is None else f"tensor {leaf} of layer {layer!r}"
 
 
 def format_for(path: str | Path, format: str | None) -> str:
@@ -1137,9 +1149,23 @@ class Layout:
     sample: Mapping[str, np.ndarray]  # one batch of features, to estimate the compressed size
 
 
+def _storable_id(sample_id: str) -> str:
+    """A file name's id as UTF-8 text: the bytes of a name that is not UTF-8 (which Python holds as
+    lone surrogates) are written as ``\\xNN``, so such a file is stored, not a crash of the whole run."""
+    try:
+        sample_id.encode("utf-8")
+        return sample_id
+    except UnicodeEncodeError:
+        try:
+            raw = sample_id.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that no file name's byte makes
+            raw = sample_id.encode("utf-8", "backslashreplace")
+        return raw.decode("utf-8", "backslashreplace")
+
+
 def settings_differences(old: Mapping, new: Mapping, sep: str) -> str:
     """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
-    what = {"model": "model weights (fingerprint)", "ids": "sample ids (digest)"}
+    what = {"model": "model (fingerprint of its state, tree and code)", "ids": "sample ids (digest)"}
     return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
 
 
@@ -1290,7 +1316,7 @@ class StoreWriter:
                     "some space, write elsewhere, or store less (reduce='mean', dtype='float16', fewer layers)"
                 )
         rows = n or 0
-        ids = None if layout.ids is None else list(layout.ids[:rows]) if n is not None else list(layout.ids)
+        ids = None if layout.ids is None else [_storable_id(i) for i in (layout.ids[:rows] if n is not None else layout.ids)]
         meta = {
             **meta,
             "layertap_store": STORE_VERSION,

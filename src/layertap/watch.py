@@ -43,9 +43,10 @@ merge), and a module called several times per forward gets one row per call posi
 output; for a nested output, the gradients of all of its tensors merge. Under ``GradScaler``
 they are the scaled gradients.
 
-The cost (``benchmarks/bench_watch.py``, resnet18 training step, every leaf module, 2 CPU
-cores): a sampled step 1.2x a plain one, an unsampled step 1.00x, so under 1.01x per step
-with ``every=100``. Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
+The cost (``benchmarks/bench_watch.py``, every leaf module, 2 CPU threads): on a resnet18
+training step (batch 32, 112 px) a sampled step 1.2x a plain one, an unsampled step 1.00x, and
+a run at ``every=100`` within noise of 1.00x; on a small model whose plain step takes 12 ms, a
+sampled step 2.1-2.7x and a run at ``every=100`` 1.02-1.05x (docs/benchmarks.md). Sinks: `TensorBoard`, `CSV`, `Parquet` (with pyarrow), `WandB` and any
 ``f(step, records)``. A sink that fails (a full disk, a lost server) never stops the training
 from inside ``optimizer.step()``: the watch warns once, in one line naming it, and writes
 nothing more to it. The file sinks never write through a symbolic link; `CSV` appends each
@@ -78,6 +79,7 @@ from . import nested
 from .atomic import AppendLog, AtomicFile, check_target, one_line, reason, write_atomic
 from .distributed import Processes
 from .errors import ArgumentError, LayertapError, MissingExtraError, require
+from .printable import printable
 from .select import Layers, named_layers, owner, select
 from .stats import LayerStats, Summary, leaf_layers, merge_ranks, summarize
 from .tap import Tap, tap
@@ -281,8 +283,8 @@ def _say_replaced(path: Path, steps: list[int], first: int) -> None:
     again = [s for s in steps if s >= first]
     if again:
         warnings.warn(
-            f"the watch log {path} held rows of steps {min(again)}-{max(again)}, at or after this run's first step {first}: "
-            "they are replaced by this run's", WatchWarning, stacklevel=2,
+            printable(f"the watch log {path} held rows of steps {min(again)}-{max(again)}, at or after this run's first step {first}: "
+            "they are replaced by this run's"), WatchWarning, stacklevel=2,
         )
 
 
@@ -696,7 +698,7 @@ class Watch:
                 if self.on_alert is not None:  # on every rank: they see the same merged numbers
                     self.on_alert(alert)
                 elif procs.main:
-                    warnings.warn(alert.message, WatchWarning, stacklevel=3)
+                    warnings.warn(printable(alert.message), WatchWarning, stacklevel=3)
 
     def _guard(self, sink: Sink, call: Callable[[], Any]) -> bool:
         """Run a sink's ``call``; if it fails, warn (one line naming the sink) and return False.
@@ -706,7 +708,7 @@ class Watch:
             return True
         except Exception as e:
             what = one_line(e) if isinstance(e, LayertapError) else f"the watch sink {_sink_name(sink)} failed: {type(e).__name__}: {one_line(e)}"
-            warnings.warn(f"{what}; the watch writes nothing more to it, and training goes on", WatchWarning, stacklevel=4)
+            warnings.warn(printable(f"{what}; the watch writes nothing more to it, and training goes on"), WatchWarning, stacklevel=4)
             return False
 
     def _records(self, summaries: dict[tuple[str, str, int], Summary]) -> list[Record]:

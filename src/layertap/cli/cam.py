@@ -6,14 +6,16 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import LayertapError
+from ..errors import SKIP_HINT, DataError, LayertapError
 from ..features import place_model
-from ..images import find_images, load_image, model_view
+from ..images import LIMIT_HINT, find_images, load_image, model_view
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
 from .core import app, echo, own_allocator, typer
@@ -50,6 +52,20 @@ def _target(text: str | None, classes: list[str] | None) -> int | None:
         return classes.index(text)
     known = f"; class names: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}" if classes else ""
     raise typer.BadParameter(f"--target {text!r} is neither a class index nor a class name of this model{known}")
+
+
+@contextmanager
+def image_advice(advice: str, limit_advice: str) -> Iterator[None]:
+    """An unreadable image's error with advice this command can follow: the library's names
+    ``--on-error skip``, which only ``extract`` has. ``limit_advice`` is for an image over the pixel limit."""
+    try:
+        yield
+    except DataError as e:
+        message = str(e)
+        for hint, fit in ((SKIP_HINT, advice), (LIMIT_HINT, limit_advice)):
+            if message.endswith(hint):
+                raise DataError(message.removesuffix(hint) + fit) from e
+        raise
 
 
 MAX_STEM = 200  # characters (ASCII: bytes); with a clash suffix and ".png", under file systems' 255-byte names
@@ -157,7 +173,12 @@ def cam(
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".layertap-cam-") as staging:
         for start in range(0, len(paths), batch_size):
             chunk = range(start, min(start + batch_size, len(paths)))
-            pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
+            with image_advice(
+                "Remove or replace the file, or leave it out of the images given",
+                "If the image is genuine, raise the limit (--max-image-pixels N, 0 for none); else remove it "
+                "or leave it out of the images given",
+            ):
+                pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
             inputs = torch.stack([transform(p) for p in pictures])
             maps = explainer(inputs.to(where), class_index)
             assert explainer.logits is not None  # set by the call above

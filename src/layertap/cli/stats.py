@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..loading import load_model
 from ..stats import stats as layer_stats
+from .cam import image_advice
 from .core import app, echo, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
@@ -39,14 +40,17 @@ def stats(
     if bins == 1:
         raise typer.BadParameter("a histogram needs at least 2 bins (or 0 for none)", param_hint="'--bins'")
     net = load_model(model, arch=arch, trust=trust)
-    table = layer_stats(
-        net,
-        str(data),
-        layers or None,
-        per_channel=per_channel,
-        histogram_bins=bins,
-        batch_size=batch_size,
-        device=device,
-        progress=progress,
-    )
+    # stats reads every input: a bad file must go (`layertap extract --on-error skip` can record it)
+    leave_out = "move it out of DATA, or record it with `layertap extract --on-error skip` instead"
+    with image_advice(f"Remove or replace the file, or {leave_out}", f"Shrink or remove the file, or {leave_out}"):
+        table = layer_stats(
+            net,
+            str(data),
+            layers or None,
+            per_channel=per_channel,
+            histogram_bins=bins,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
     echo(table.to_json() if as_json else str(table), keep="\n")
