@@ -42,7 +42,7 @@ from torch import nn
 
 from . import nested
 from .allocator import HeapTrimmer
-from .controls import Reduce, reducer
+from .controls import Reduce, as_dtype, reducer
 from .data import Batch, DataSource, Failure, OnError, open_data
 from .distributed import Processes, job, launched, rank_device
 from .errors import DataChangedError
@@ -107,15 +107,6 @@ def _settings(model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.d
         "transform": _describe(source.transform),
     }
     return json.loads(json.dumps(settings))
-
-
-def _torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}: use e.g. 'float16' or torch.float16")
-    return found
 
 
 def _numpy_dtype(dtype: torch.dtype) -> str:
@@ -493,7 +484,7 @@ def extract_dataset(
     if verify not in ("close", "exact", "off"):
         raise ValueError(f"verify must be 'close', 'exact' or 'off', not {verify!r}")
     reducer(reduce)
-    dtype = _torch_dtype(dtype)
+    dtype = as_dtype(dtype)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     out = location(out)
