@@ -2,7 +2,7 @@
 
 A resumed run first recomputes the digest of every sample in the chunks already written (for
 image files: a read and a SHA-256 of each file, no decoding) and compares them with the digests
-those chunks' markers recorded (`layertap.fingerprint`). Here: resnet50 (random weights), 256
+those chunks' markers recorded (`layertap.extract.digests`). Here: resnet50 (random weights), 256
 generated JPEGs from an image folder, avgpool; a first run is stopped after half its chunks
 (they are unmarked, as a kill would leave them), then resumed. Printed, for each round: the
 resume's wall time, the check's own time (the same `Verifier.check_all` the resume runs) and
@@ -25,7 +25,7 @@ import torchvision
 
 import layertap
 from layertap.data import open_data
-from layertap.fingerprint import Verifier
+from layertap.extract.digests import Verifier
 from layertap.shapes import generate, save_images
 from layertap.store import StoreWriter
 

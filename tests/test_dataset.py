@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,8 @@ import torchvision
 from torch import nn
 
 import layertap
-from layertap import dataset as dataset_module
-from layertap import store as store_module
 from layertap.data import DataError, image_to_tensor
+from layertap.extract import run as dataset_module
 from layertap.images import find_images, load_image
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
@@ -331,7 +331,7 @@ def test_the_size_is_estimated_and_a_run_that_does_not_fit_stops_before_writing(
     assert "for 8 samples" in line and "free" in line
     assert "sample/s" not in line and "it/s" not in line  # no progress bar when stderr is not a terminal
 
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
     with pytest.raises(StoreError, match="only 1.0 KB is free"):
         layertap.extract_dataset(resnet, Counting(8), "layer1", tmp_path / "b.zarr", batch_size=4, progress=False)
     assert not (tmp_path / "b.zarr").exists()

@@ -20,9 +20,9 @@ import slow_model
 import torch
 
 import layertap
-from layertap.dataset import _chunk_size as chunk_size
-from layertap.dataset import _plan as dataset_plan
 from layertap.distributed import job, launched, rank_device
+from layertap.extract.run import _chunk_size as chunk_size
+from layertap.extract.run import _plan as dataset_plan
 from layertap.shapes import generate, save_images
 from layertap.store import StoreError, StoreWriter
 

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from layertap import cam
-from layertap.errors import LayertapError
-from layertap.shapes import generate, load_shapes_model
-from layertap.shapes.pointing import (
+from layertap.cam.pointing import (
     peaks,
     pointing_game,
     pointing_hits,
     pointing_scores,
 )
+from layertap.errors import LayertapError
+from layertap.shapes import generate, load_shapes_model
 
 N_IMAGES = 200
 SCORECAM_IMAGES = 16  # a forward per channel and image (128 per image): the slow method gets fewer

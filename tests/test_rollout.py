@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from layertap.cam.rollout import AttentionRollout, attention_rollout
 from layertap.errors import ArgumentError, LayerNotFoundError, LayoutError
-from layertap.rollout import AttentionRollout, attention_rollout
 
 TOL = 1e-6
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import layertap
-from layertap.data import Failure
+from layertap.records import SkippedSample
 from layertap.store import Layout, StoreError, StoreWriter, array_specs, format_for, remove_store, safe_name
 
 
@@ -82,7 +82,7 @@ def new_store(tmp_path, num_samples=10, chunk_size=4):
 def test_a_store_is_complete_only_when_every_chunk_is_written(tmp_path):
     writer = new_store(tmp_path)
     writer.write_chunk(0, {"layer": np.ones((4, 3), np.float32)}, np.arange(4), [])
-    writer.write_chunk(2, {"layer": np.full((2, 3), 2, np.float32)}, np.arange(8, 10), [Failure(9, 9, "OSError: unreadable")])
+    writer.write_chunk(2, {"layer": np.full((2, 3), 2, np.float32)}, np.arange(8, 10), [SkippedSample(9, 9, "OSError: unreadable")])
     with pytest.raises(StoreError, match=r"chunks \[1\]"):
         writer.finish(10)
     writer.close()

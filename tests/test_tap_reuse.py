@@ -318,7 +318,7 @@ class Layouts(nn.Module):
 def test_streamed_copies_equal_clone_in_the_hook_in_every_layout_and_reuse_the_previous_copy(monkeypatch, one_thread, mode):
     model = Layouts()
     names = [name for name, _ in model.named_children()]
-    tap_module = importlib.import_module("layertap.tap")
+    tap_module = importlib.import_module("layertap.tap.core")
     streamed = []
     if tap_module._copy is not None:  # built (LAYERTAP_REQUIRE_KERNEL=1 makes test_copy.py fail where it is not)
         kernel = tap_module._copy

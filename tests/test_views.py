@@ -12,7 +12,7 @@ from torch import nn
 
 import layertap
 from layertap.cam import GradCAM, HeatmapGrid, show
-from layertap.data import Failure
+from layertap.records import SkippedSample
 from layertap.store import Layout, StoreWriter, array_specs
 from layertap.tables import Table, sparkline
 
@@ -89,7 +89,7 @@ def test_feature_store_html_shows_arrays_completeness_and_failures(tmp_path):
     layout = Layout(specs, 10, 4, None, "int64", {specs[0].key: np.zeros((1, 3), np.float32)})
     writer = StoreWriter.create(tmp_path / "s.zarr", "zarr", {"settings": {}, "layers": [NAME]}, layout)
     writer.write_chunk(0, {specs[0].key: np.ones((4, 3), np.float32)}, np.arange(4), [])
-    writer.write_chunk(2, {specs[0].key: np.ones((2, 3), np.float32)}, np.arange(8, 10), [Failure(9, 9, "OSError")])
+    writer.write_chunk(2, {specs[0].key: np.ones((2, 3), np.float32)}, np.arange(8, 10), [SkippedSample(9, 9, "OSError")])
     writer.close()
     with pytest.warns(UserWarning, match="incomplete"):
         store = layertap.open_features(tmp_path / "s.zarr")

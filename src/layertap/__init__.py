@@ -12,9 +12,9 @@ from . import cli as _cli  # first, and only the standard library: a Ctrl-C in t
 if _cli.starting_command():
     _cli.quiet_start()
 
-from . import attention, cam, rollout
+from . import attention, cam
 from .allocator import tune_allocator
-from .dataset import extract_dataset
+from .cam import rollout
 from .errors import (
     ArgumentError,
     CorruptImageError,
@@ -33,6 +33,7 @@ from .errors import (
     StoreLockedError,
     TapError,
 )
+from .extract import extract_dataset
 from .features import FeatureExtractor, extract
 from .loading import ModelInfo, load_model, model_info
 from .nonfinite import Report, find_nonfinite

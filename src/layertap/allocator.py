@@ -38,7 +38,7 @@ True
 glibc 2.36: mmap threshold 32 MiB, trim threshold 1024 MiB
 
 `HeapTrimmer` does the opposite on purpose, where a long run would otherwise creep up (dataset
-extraction, see `layertap.dataset`).
+extraction, see `layertap.extract`).
 """
 
 from __future__ import annotations

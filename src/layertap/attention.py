@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .controls import shares_memory
 from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
 from .select import Layers, named_layers, owner, select, split_op
 from .tap import Inputs, Tap, tap
+from .tap.controls import shares_memory
 
 Heads = Literal["all", "mean", "max"]
 Rows = Literal["all", "cls", "last"]

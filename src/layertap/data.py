@@ -42,25 +42,16 @@ from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler, default_collate
 
 from . import nested
 from .errors import CorruptImageError, DataError
 from .images import find_images, load_image, pixel_limit
+from .records import SkippedSample
 
 OnError = Literal["fail", "skip"]
 ON_ERROR = ("fail", "skip")
 _LABEL_KEYS = ("label", "labels")
-
-
-class Failure(NamedTuple):
-    """A sample that could not be loaded (recorded with ``on_error='skip'``)."""
-
-    # the field shadows tuple.index on purpose (it is the sample's index); mypy reports any such field
-    index: int  # type: ignore[assignment]
-    id: Any
-    error: str
 
 
 @dataclass
@@ -80,7 +71,7 @@ class Batch:
     labels: torch.Tensor | None
     ids: list
     index: np.ndarray
-    failed: list[Failure] = field(default_factory=list)
+    failed: list[SkippedSample] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -327,7 +318,7 @@ class _Indexed(DataSource):
             **options,
         )
         for raw, index, failed in loader:
-            failures = [Failure(int(i), self.id_of(i), f.error) for i, f in failed]
+            failures = [SkippedSample(int(i), self.id_of(i), f.error) for i, f in failed]
             if failed and self.on_error == "fail":
                 raise DataError(failed[0][1].message)
             inputs, labels = split_batch(raw) if raw is not None else (None, None)
@@ -610,7 +601,6 @@ def iter_batches(
 __all__ = [
     "Batch",
     "DataSource",
-    "Failure",
     "ImageFiles",
     "ArrayRows",
     "iter_batches",

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 from . import cam
-from .dataset import extract_dataset
+from .cam.pointing import pointing_game
 from .errors import ArgumentError
+from .extract import extract_dataset
 from .loading import load_model
 from .printable import printable
 from .report import HISTOGRAM_BINS, build_report
 from .shapes import generate, preprocess, save_images
-from .shapes.pointing import pointing_game
 from .stats import stats
 from .summary import summary
 

@@ -8,30 +8,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .failures import explain_failures
+from .runtime import explain_failures, run_model
 from .select import Layers, select
 from .tap import tap
-
-
-def run_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` on ``inputs``: a tuple is positional args, a dict keyword args, else one arg.
-
-    A list stays one argument (detection models take a list of images).
-    """
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
-def place_model(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    """Move ``model`` to ``device`` if given; return the device its inputs should go to."""
-    if device is not None:
-        model.to(device)
-        return torch.device(device)
-    tensor = next(model.parameters(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def extract(

@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 from . import nested
-from .failures import explain_failures
-from .features import run_model
+from .runtime import explain_failures, run_model
 from .select import Layers, named_layers, owner, select
 from .stats import LayerStats, Summary, summarize
 from .tap import Kind, Tap, tap

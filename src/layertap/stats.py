@@ -63,10 +63,9 @@ from . import nested
 from .data import open_data
 from .distributed import Processes
 from .errors import LayerNotFoundError
-from .failures import explain_failures
-from .features import place_model, run_model
 from .loading import model_info
 from .progress import progress_bar
+from .runtime import explain_failures, place_model, run_model
 from .select import Layers, named_layers, owner, select
 from .tables import Table, number, sparkline
 from .tap import tap

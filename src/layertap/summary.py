@@ -35,9 +35,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from . import nested
-from .failures import explain_failures
-from .features import place_model
 from .loading import model_info
+from .runtime import explain_failures, place_model
 from .select import Layers, Spec, named_layers, owner, select, split_op, unescape
 from .tables import Table
 from .tap import Inputs, tap

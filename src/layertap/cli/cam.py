@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from ..errors import SKIP_HINT, DataError, LayertapError
-from ..features import place_model
 from ..images import LIMIT_HINT, find_images, load_image, model_view
 from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
 from ..overlay import colorize, overlay
+from ..runtime import place_model
 from .core import app, echo, own_allocator, typer
 from .options import HEATMAPS, arch_option, check_method, model_argument, parse_shape, trust_option
 

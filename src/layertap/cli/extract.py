@@ -7,12 +7,12 @@ from typing import cast
 
 import numpy as np
 
-from ..controls import REDUCTIONS
 from ..data import OnError
-from ..dataset import Verify, extract_dataset
 from ..distributed import launched
+from ..extract import Verify, extract_dataset
 from ..loading import load_model
 from ..store import FORMATS, Location, location, url_fs
+from ..tap.controls import REDUCTIONS
 from ..units import human_bytes
 from .core import app, echo, own_allocator, typer
 from .options import arch_option, model_argument, trust_option

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..cam import METHODS
+from ..cam.rollout import AttentionRollout
 from ..errors import ModelLoadError
 from ..loading import spec_kind
-from ..rollout import AttentionRollout
 from .core import typer
 
 # the Grad-CAM family and attention rollout: every one is built as HEATMAPS[name](model, layers)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..dataset import model_fingerprint
 from ..errors import ModelLoadError, StoreError
+from ..extract import model_fingerprint
 from ..images import load_image
 from ..loading import load_model, model_info, spec_kind
 from ..store import FeatureStore

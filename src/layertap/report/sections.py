@@ -12,10 +12,10 @@ import torch
 
 from .. import cam
 from ..data import ImageFiles
-from ..features import place_model
 from ..images import load_image, to_original
 from ..loading import model_info
 from ..overlay import overlay
+from ..runtime import place_model
 from ..select import named_layers
 from ..stats import LayerStats, StatsTable, summarize
 from ..stats import stats as activation_stats

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import ArgumentError
+from ..errors import ArgumentError
 
 Reduce = str | Callable[[torch.Tensor], torch.Tensor] | None
 DType = torch.dtype | str | None

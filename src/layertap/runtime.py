@@ -1,7 +1,8 @@
-"""Which layer a failing forward died in, found from the traceback at no cost to a good forward.
+"""Running a model: calling it on a batch, placing it on a device, and naming the layer a failing
+forward died in (found from the traceback at no cost to a good forward).
 
 >>> import torch, layertap
->>> from layertap.failures import explain_failures
+>>> from layertap.runtime import explain_failures
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(5, 2))
 >>> with explain_failures(model):          # doctest: +ELLIPSIS
 ...     model(torch.randn(3, 4))
@@ -15,11 +16,35 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import nested
 from .errors import LayerForwardError, LayertapError
 from .select import named_layers
+
+
+def run_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` on ``inputs``: a tuple is positional args, a dict keyword args, else one arg.
+
+    A list stays one argument (detection models take a list of images).
+    """
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def place_model(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """Move ``model`` to ``device`` if given; return the device its inputs should go to."""
+    if device is not None:
+        model.to(device)
+        return torch.device(device)
+    tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 
 _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 
@@ -80,4 +105,4 @@ def explain_failures(model: nn.Module) -> Iterator[None]:
         ) from exc
 
 
-__all__ = ["explain_failures", "locate", "describe_inputs"]
+__all__ = ["run_model", "place_model", "explain_failures", "locate", "describe_inputs"]

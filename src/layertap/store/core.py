@@ -8,7 +8,7 @@ Every format holds the same things:
   `layertap.nested.tensors`;
 - ``ids``: each sample's id (its file path, else its index); ``labels`` when the data has them;
 - one completion marker per chunk of samples, holding the chunk's failed samples, the rank of
-  the process that wrote it and a digest of every sample's input (see `layertap.fingerprint`);
+  the process that wrote it and a digest of every sample's input (see `layertap.extract.digests`);
 - metadata: model, layers, shapes, dtypes, reductions, versions and a hash of the settings.
 
 A chunk (``chunk_size`` consecutive samples, the arrays' chunking along samples) is written
@@ -63,11 +63,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import Failure
-from .errors import StoreError, StoreLockedError, require
-from .printable import printable
-from .tables import Table
-from .units import human_bytes
+from ..errors import StoreError, StoreLockedError, require
+from ..printable import printable
+from ..records import SkippedSample
+from ..tables import Table
+from ..units import human_bytes
 
 FORMATS = ("zarr", "hdf5", "npy")
 STORE_VERSION = 2  # 2: chunk markers hold input digests; arrays of known length allocated up front
@@ -296,7 +296,7 @@ def _specs(meta: dict) -> list[ArraySpec]:
 class Marker:
     """What a chunk's completion marker records."""
 
-    failed: list[Failure]
+    failed: list[SkippedSample]
     process: int
     digests: list[str] | None  # one per sample of the chunk; None in stores written before digests
 
@@ -309,7 +309,7 @@ def _parse_marker(text: str, chunk: int, rows: tuple[int, int], path: Location) 
     start, end = rows
     try:
         value = json.loads(text)
-        failed = [Failure(i, d, e) for i, d, e in value["failed"]]
+        failed = [SkippedSample(i, d, e) for i, d, e in value["failed"]]
         process = value["process"]
         digests = value.get("digests")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
@@ -1386,7 +1386,7 @@ class StoreWriter:
         chunk: int,
         arrays: Mapping[str, np.ndarray],
         labels: np.ndarray | None,
-        failed: Sequence[Failure],
+        failed: Sequence[SkippedSample],
         digests: Sequence[str] | None = None,
     ) -> None:
         """Write the rows of ``chunk`` (all of them, failed ones filled) and hand them to the disk,
@@ -1575,8 +1575,8 @@ class FeatureStore(Mapping[str, Any]):
         return np.asarray(self._backend.array("labels")[:]) if self.meta["labels"] else None
 
     @property
-    def failed(self) -> list[Failure]:
-        """Samples that could not be loaded: ``Failure(index, id, error)``, by index."""
+    def failed(self) -> list[SkippedSample]:
+        """Samples that could not be loaded: ``SkippedSample(index, id, error)``, by index."""
         return sorted((f for m in self._markers.values() for f in m.failed), key=lambda f: f.index)
 
     @property

@@ -25,7 +25,7 @@ Two kinds, both recorded in a store and checked before a resumed run adds to it:
   of about 1 in 10^19.
 
 What no fingerprint sees (an edited ``forward``, another library version or kernel) is caught
-by recomputing a written batch on resume (see `layertap.dataset`).
+by recomputing a written batch on resume (see `layertap.extract`).
 
 >>> import torch
 >>> from layertap.data import open_data
@@ -59,9 +59,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import nested
-from .data import Batch, DataSource, Failure
-from .errors import ArgumentError, DataChangedError
+from .. import nested
+from ..data import Batch, DataSource
+from ..errors import ArgumentError, DataChangedError
+from ..records import SkippedSample
 
 # ----------------------------------------------------------------------- the computation
 MAX_DEPTH = 24  # objects nested deeper are described by their class only
@@ -393,7 +394,7 @@ def batch_digests(source: DataSource, batch: Batch) -> list[str]:
     return _row_digests(tensors, len(batch))
 
 
-def failed_digests(source: DataSource, failed: Iterable[Failure]) -> list[str]:
+def failed_digests(source: DataSource, failed: Iterable[SkippedSample]) -> list[str]:
     """The digests of samples that could not be read: a file's bytes still have one."""
     if _files(source):
         return [_file_digest(source.root / source.id_of(f.index)) for f in failed]

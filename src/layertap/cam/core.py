@@ -48,14 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import nested
-from .errors import ArgumentError, LayerForwardError, LayertapError, LayoutError, TapError, require
-from .failures import explain_failures
-from .features import run_model
-from .overlay import Colormap, overlay
-from .progress import progress_bar
-from .select import Layers, named_layers, select
-from .tap import tap
+from .. import nested
+from ..errors import ArgumentError, LayerForwardError, LayertapError, LayoutError, TapError, require
+from ..overlay import Colormap, overlay
+from ..progress import progress_bar
+from ..runtime import explain_failures, run_model
+from ..select import Layers, named_layers, select
+from ..tap import tap
 
 Targets = int | Sequence[int] | torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
 OutputPick = str | Callable[[Any], torch.Tensor] | None

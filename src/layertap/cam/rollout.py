@@ -1,6 +1,6 @@
 """Attention rollout (Abnar & Zuidema, 2020): where a vision transformer's class token reads from.
 
->>> import torch, timm, layertap.rollout
+>>> import torch, timm, layertap
 >>> model = timm.create_model("vit_tiny_patch16_224", img_size=64, depth=2).eval()
 >>> maps = layertap.rollout.AttentionRollout(model)(torch.randn(2, 3, 64, 64))
 >>> tuple(maps.shape), bool(maps.min() >= 0), bool(maps.max() <= 1)
@@ -32,12 +32,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .attention import attention
-from .cam import Layout, Targets, infer_layout, normalize, pick_logits, upsample
-from .errors import ArgumentError, LayerNotRunError, LayertapError, LayoutError
-from .failures import explain_failures
-from .features import run_model
-from .select import Layers
+from ..attention import attention
+from ..errors import ArgumentError, LayerNotRunError, LayertapError, LayoutError
+from ..runtime import explain_failures, run_model
+from ..select import Layers
+from .core import Layout, Targets, infer_layout, normalize, pick_logits, upsample
 
 HeadFusion = Literal["mean", "max", "min"]
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")

@@ -40,19 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import nested
-from .allocator import HeapTrimmer
-from .controls import Reduce, as_dtype, reducer
-from .data import Batch, DataSource, Failure, OnError, open_data
-from .distributed import Processes, job, launched, rank_device
-from .errors import DataChangedError
-from .failures import explain_failures
-from .features import place_model, run_model
-from .fingerprint import Verifier, batch_digests, code_fingerprint, failed_digests, model_fingerprint
-from .loading import model_info
-from .progress import progress_bar, say
-from .select import Layers, select
-from .store import (
+from .. import nested
+from ..allocator import HeapTrimmer
+from ..data import Batch, DataSource, OnError, open_data
+from ..distributed import Processes, job, launched, rank_device
+from ..errors import DataChangedError
+from ..loading import model_info
+from ..progress import progress_bar, say
+from ..records import SkippedSample
+from ..runtime import explain_failures, place_model, run_model
+from ..select import Layers, select
+from ..store import (
     ArraySpec,
     FeatureStore,
     Layout,
@@ -67,7 +65,9 @@ from .store import (
     open_or_create,
     settings_differences,
 )
-from .tap import Tap, tap
+from ..tap import Tap, tap
+from ..tap.controls import Reduce, as_dtype, reducer
+from .digests import Verifier, batch_digests, code_fingerprint, failed_digests, model_fingerprint
 
 Verify = Literal["close", "exact", "off"]
 CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together)
@@ -77,7 +77,7 @@ MAX_CHUNK = 4096  # samples: also the granularity of resuming
 # ----------------------------------------------------------------------------------- settings
 def _describe(obj: Any) -> str | None:
     """A reduction or transform, for people and for comparing: its name (or repr, without
-    addresses) and the fingerprint of its code and values (see `layertap.fingerprint`)."""
+    addresses) and the fingerprint of its code and values (see `layertap.extract.digests`)."""
     if obj is None or isinstance(obj, str):
         return obj
     name = getattr(obj, "__qualname__", None)
@@ -249,7 +249,7 @@ class _Chunk:
 
     def reset(self) -> None:
         self.count = 0
-        self.failed: list[Failure] = []
+        self.failed: list[SkippedSample] = []
 
     def put(self, at: np.ndarray, arrays: dict[str, np.ndarray], rows: slice, labels: np.ndarray | None, digests: list[str]) -> None:
         for key, a in arrays.items():
@@ -260,7 +260,7 @@ class _Chunk:
             self.digests[i] = digest
         self.count += len(at)
 
-    def fail(self, at: int, failure: Failure, digest: str) -> None:
+    def fail(self, at: int, failure: SkippedSample, digest: str) -> None:
         for a in self.arrays.values():
             a[at] = fill_value(a.dtype)
         if self.labels is not None:
@@ -321,7 +321,7 @@ class _Sink:
             self.chunks[c] = spare
         return self.chunks[c]
 
-    def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[tuple[Failure, str]], digests: list[str], event: Any) -> None:
+    def _add(self, index: np.ndarray, host: dict, labels: torch.Tensor | None, failed: list[tuple[SkippedSample, str]], digests: list[str], event: Any) -> None:
         if event is not None:
             event.synchronize()
         arrays = {k: t.numpy() for k, t in host.items()}
@@ -448,7 +448,7 @@ def extract_dataset(
         format: ``"zarr"``, ``"hdf5"`` or ``"npy"``; default from ``out``'s suffix, else Zarr.
         resume: continue the interrupted run that wrote ``out`` with the same settings (its
             missing chunks only), after checking that the samples of its written chunks are
-            the same, content and all (see `layertap.fingerprint`). Different settings or data,
+            the same, content and all (see `layertap.extract.digests`). Different settings or data,
             or ``resume=False``, are an error unless ``overwrite=True``, which replaces the
             store, removing only what layertap wrote (a store folder that also holds other
             files is refused, naming them). One extraction writes a store at a time: another one
@@ -667,7 +667,7 @@ class _Run:
         """The features of the first two readable samples: the store's shapes, before the real run."""
         n = self.source.num_samples
         assert n is not None  # several processes share indexed data only, whose length is known
-        failed: list[Failure] = []
+        failed: list[SkippedSample] = []
         for shard in (np.arange(min(2, n)), np.arange(min(2, n), n)):
             for batch in self.source.batches(shard):
                 if len(batch):
@@ -676,7 +676,7 @@ class _Run:
                 failed += batch.failed
         raise self._unreadable(failed)
 
-    def _unreadable(self, failed: list[Failure]) -> StoreError:
+    def _unreadable(self, failed: list[SkippedSample]) -> StoreError:
         first = f", first {failed[0].id}: {failed[0].error}" if failed else ""
         return StoreError(f"no sample of {self.source.description} could be read ({len(failed)} failed{first})")
 

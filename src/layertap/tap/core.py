@@ -119,15 +119,15 @@ from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from . import nested
+from .. import nested
+from ..errors import ArgumentError, LayerNotFoundError, LayerNotRunError, LayertapError, TapError
+from ..select import Layers, aliases, named_layers, not_found, owner, select, split_op, wrapped_child
+from ..tables import Table
+from ..units import human_bytes
 from .controls import DType, Reduce, make_transform, shares_memory
-from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, LayertapError, TapError
-from .select import Layers, aliases, named_layers, not_found, owner, select, split_op, wrapped_child
-from .tables import Table
-from .units import human_bytes
 
 try:  # C, optional: without a compiler the package installs without it, and copies use copy_
-    from . import _copy
+    from .. import _copy
 except ImportError:
     _copy = None  # type: ignore[assignment]
 

@@ -5,12 +5,12 @@ a class-activation method is measurable: the share of images whose heatmap peaks
 true box (Zhang et al. 2016, "Top-down neural attention by excitation backprop", without their
 tolerance margin).
 
->>> from layertap.shapes.pointing import pointing_scores
+>>> from layertap.cam.pointing import pointing_scores
 >>> scores = pointing_scores(64, methods=["gradcam"])       # doctest: +SKIP
 >>> scores["gradcam"] >= 0.9                                 # doctest: +SKIP
 True
 
-``python -m layertap.shapes.pointing [N]`` prints the score of every method on N fresh images.
+``python -m layertap.cam.pointing [N]`` prints the score of every method on N fresh images.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import cam
 from ..errors import ArgumentError
-from .data import generate, preprocess
-from .model import load_shapes_model
+from ..shapes.data import generate, preprocess
+from ..shapes.model import load_shapes_model
+from . import core as cam
 
 __all__ = ["EVAL_SEED", "peaks", "pointing_game", "pointing_hits", "pointing_scores"]
 
@@ -126,7 +126,7 @@ def pointing_scores(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the pointing game of every CAM method: ``python -m layertap.shapes.pointing [N]``."""
+    """Print the pointing game of every CAM method: ``python -m layertap.cam.pointing [N]``."""
     args = sys.argv[1:] if argv is None else argv
     n = int(args[0]) if args else 200
     for name, score in pointing_scores(n).items():
