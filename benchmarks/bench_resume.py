@@ -27,7 +27,7 @@ import layertap
 from layertap.data import open_data
 from layertap.extract.digests import Verifier
 from layertap.shapes import generate, save_images
-from layertap.store import StoreWriter
+from layertap.store.writer import StoreWriter
 
 
 def unmark_second_half(out: Path) -> None:

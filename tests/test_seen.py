@@ -13,8 +13,10 @@ import layertap
 from layertap.cli import run
 from layertap.errors import ArgumentError
 from layertap.images import load_image, model_view, to_original, view_box
-from layertap.loading import ImageTransform, ShapesTransform, load_model, model_info
+from layertap.loading import load_model
+from layertap.modelinfo import ImageTransform, model_info
 from layertap.overlay import UNSEEN_SHADE, overlay
+from layertap.shapes import ShapesTransform
 
 NORMALISE = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 

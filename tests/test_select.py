@@ -1,5 +1,6 @@
 """Layer selection: every spec kind, the unknown-name error, wrapper prefixes."""
 
+import importlib
 import re
 
 import pytest
@@ -8,8 +9,8 @@ import torchvision
 from torch import nn
 
 import layertap
-from layertap import LayerNotFoundError
-from layertap.select import named_layers
+from layertap import ArgumentError, LayerNotFoundError
+from layertap.select import OpName, Selection, leaf_layers, named_layers, selection, split_op
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +159,81 @@ def test_only_a_real_wrappers_segment_is_dropped():
     assert layertap.select(compiled, "_orig_mod.module.0") == layertap.select(compiled, "module.0") == ["module.0"]
     assert layertap.select(compiled, "_orig_mod") == ["_orig_mod"]  # EMA's own child of that name
     assert named_layers(compiled)[""] is inner
+
+
+SPECS = [
+    ["layer4.1.conv2", "layer1.0.conv1"],
+    "**.bn1",
+    nn.BatchNorm2d,
+    ["layer1.*:add_", "layer2.0.conv1", ("layer2.0", "relu#2"), "layer3.0:*"],
+    ":flatten",
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=range(len(SPECS)))
+def test_a_selection_is_select_resolved_once(resnet, spec):
+    chosen = selection(resnet, spec)
+    assert isinstance(chosen, Selection) and chosen.model is resnet
+    assert list(chosen.names) == list(chosen) == layertap.select(resnet, spec) and len(chosen) == len(chosen.names)
+    modules = dict(resnet.named_modules())
+    for name in chosen.names:  # every op is parsed once, "module:*" included; every name has its module
+        op = chosen.ops.get(name)
+        assert op == split_op(name)
+        owner = name if op is None else op.module
+        assert chosen.modules[owner] is modules[owner]
+    owners = {chosen.ops[n].module if n in chosen.ops else n for n in chosen.names}
+    assert set(chosen.modules) == owners
+    assert chosen.star == {op.module for op in chosen.ops.values() if op.op == "*"}
+
+
+def test_a_selection_parses_op_sites_and_marks_every_op_of_a_module():
+    model = torchvision.models.resnet18()
+    chosen = selection(model, ["layer1.0:relu#2", "layer3.0:*"])
+    assert dict(chosen.ops) == {"layer1.0:relu#2": OpName("layer1.0", "relu", 2), "layer3.0:*": OpName("layer3.0", "*", None)}
+    assert chosen.star == {"layer3.0"} and chosen.modules["layer3.0"] is model.layer3[0]
+
+
+def test_a_selection_is_immutable_and_of_one_model(resnet):
+    chosen = selection(resnet, "layer1")
+    with pytest.raises(AttributeError, match="immutable"):
+        chosen.names = ("layer2",)
+    with pytest.raises(TypeError):
+        chosen.modules["layer2"] = resnet.layer2
+    assert selection(resnet, chosen) is chosen
+    other = torchvision.models.resnet18()
+    with pytest.raises(ArgumentError, match="another model") as info:
+        layertap.tap(other, chosen)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ArgumentError, match="another model"):
+        selection(other, chosen)
+
+
+def test_tap_takes_a_selection_and_neither_selects_nor_walks_the_model_again(monkeypatch):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    spec = ["layer1.0.conv1", "layer2.*.bn2", "layer1.1:add_", "layer3.0:*"]
+    chosen = selection(model, spec)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad(), layertap.tap(model, spec) as by_spec:
+        model(x)
+    walks = []
+    named_modules = nn.Module.named_modules
+
+    def counted(self, *args, **kwargs):
+        if self is model:
+            walks.append(args)
+        return named_modules(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "named_modules", counted)
+    monkeypatch.setattr(importlib.import_module("layertap.select"), "_resolve", lambda *a: pytest.fail("selected again"))
+    with torch.no_grad(), layertap.tap(model, chosen) as by_selection:
+        model(x)
+    assert walks == []
+    assert by_selection.names == by_spec.names and by_selection.order == by_spec.order
+    assert all(torch.equal(by_selection[n], by_spec[n]) for n in by_spec.names)
+
+
+def test_leaf_layers_are_the_modules_without_children():
+    model = torchvision.models.resnet18()
+    assert leaf_layers(model) == [n for n, m in model.named_modules() if n and not list(m.children())]
+    assert leaf_layers(nn.Linear(2, 2)) == [""]

@@ -14,9 +14,9 @@ import torchvision
 from torch import nn
 
 import layertap
-from layertap.stats import Histogram, summarize
+from layertap.tensorstats import Histogram, tensor_stats
 
-stats_module = importlib.import_module("layertap.stats")  # the module, not the function it exports
+stats_module = importlib.import_module("layertap.tensorstats")  # where a tensor is read
 
 RTOL = 1e-6  # the issue's bound
 # float32 maps may be summed in float32 a few (centred) values at a time, in float64 beyond: a mean
@@ -197,7 +197,7 @@ def test_bad_arguments_have_clear_errors():
         layertap.stats(model, [torch.randn(2, 2)], histogram_bins=1)
     with pytest.raises(layertap.LayerNotFoundError, match="matches no layer"):
         layertap.stats(model, [torch.randn(2, 2)], "1")
-    assert summarize(torch.empty(0, 3)) is None
+    assert tensor_stats(torch.empty(0, 3)) is None
 
 
 # ---------------------------------------------------------------------------- two Gloo ranks
@@ -291,7 +291,7 @@ READERS = ["pytorch", *(stats_module._moments.KERNELS if stats_module._moments e
 
 @pytest.fixture(params=READERS)
 def reader(request, monkeypatch):
-    """``summarize`` reading maps the ``request.param`` way."""
+    """``tensor_stats`` reading maps the ``request.param`` way."""
     if request.param == "pytorch":
         monkeypatch.setattr(stats_module, "_moments", None)
     else:
@@ -306,7 +306,7 @@ def test_summarize_matches_numpy_in_every_layout_and_dtype(layout, reader):
     # group normalization whole rows: the mean-1e6x-the-spread case tells if one does not centre
     torch.manual_seed(5)
     t = LAYOUTS[layout]()
-    summary = summarize(t, bins=16)
+    summary = tensor_stats(t, bins=16)
     row = LayerStats_of(summary)
     values = t.double().numpy()
     channel_axis = 1 if t.dim() >= 4 else t.dim() - 1 if t.dim() >= 2 else None
@@ -331,7 +331,7 @@ def test_small_maps_with_a_mean_near_zero(shape, reader):
     maps = [torch.randn(shape, generator=gen) for _ in range(40 if np.prod(shape) < 1000 else 3)]
     for t in [*maps, *(v for v in NEAR_ZERO.values() if v.dim() == len(shape))]:
         values = t.double().numpy()
-        check_row(LayerStats_of(summarize(t)), values, 1 if t.dim() >= 4 else t.dim() - 1 if t.dim() >= 2 else None)
+        check_row(LayerStats_of(tensor_stats(t)), values, 1 if t.dim() >= 4 else t.dim() - 1 if t.dim() >= 2 else None)
 
 
 def LayerStats_of(summary):
@@ -342,7 +342,7 @@ def test_a_channel_without_finite_values_has_nan_moments():
     t = torch.randn(4, 3, 5, 5)
     t[:, 1] = float("nan")
     t[:, 2, 0, 0] = float("inf")
-    row = LayerStats_of(summarize(t))
+    row = LayerStats_of(tensor_stats(t))
     assert np.isnan(row.channel_mean[1]) and np.isnan(row.channel_std[1])
     finite = t[:, 2].double().numpy()
     close(row.channel_mean[2], finite[np.isfinite(finite)].mean(), 1.0)

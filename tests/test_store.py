@@ -11,7 +11,11 @@ from torch import nn
 
 import layertap
 from layertap.records import SkippedSample
-from layertap.store import Layout, StoreError, StoreWriter, array_specs, format_for, remove_store, safe_name
+from layertap.store import StoreError
+from layertap.store.backends import format_for
+from layertap.store.format import StorePlan, array_specs, safe_name
+from layertap.store.lifecycle import remove_store
+from layertap.store.writer import StoreWriter
 
 
 class OddNames(nn.Module):
@@ -75,7 +79,7 @@ def test_format_from_the_path():
 
 def new_store(tmp_path, num_samples=10, chunk_size=4):
     specs = array_specs([("layer", None, (3,), "float32")])
-    layout = Layout(specs, num_samples, chunk_size, None, "int64", {"layer": np.zeros((1, 3), np.float32)})
+    layout = StorePlan(specs, num_samples, chunk_size, None, "int64", {"layer": np.zeros((1, 3), np.float32)})
     return StoreWriter.create(tmp_path / "s.zarr", "zarr", {"settings": {}, "layers": ["layer"]}, layout)
 
 

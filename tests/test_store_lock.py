@@ -18,7 +18,8 @@ import torch
 
 import layertap
 from layertap.errors import StoreLockedError
-from layertap.store import StoreLock, detect_format
+from layertap.store.backends import detect_format
+from layertap.store.lock import StoreLock
 
 OPTIONS = dict(batch_size=4, chunk_size=4, progress=False)
 

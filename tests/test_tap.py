@@ -508,7 +508,7 @@ def test_stored_values_survive_later_in_place_ops_across_forwards():
                 h.remove()
             wrong = [n for n in layers if not torch.equal(t[n], ref[n])]
             assert wrong == []
-    copied = sorted(n for (kind, n, position), copy in t._copy.items() if copy)
+    copied = sorted(n for (kind, n, position), copy in t._inplace.learned.items() if copy)
     assert len(copied) == 49 and all(".bn" in n or n == "bn1" for n in copied)
 
 
@@ -575,13 +575,13 @@ def test_a_new_tap_reuses_what_earlier_taps_learned_about_in_place_ops():
     layers = ["layer1.0.bn1", "layer1.0.conv1"]  # bn1 is followed by an in-place ReLU
     with torch.no_grad(), layertap.tap(model, layers) as first:
         model(torch.randn(1, 3, 32, 32))
-    assert first._copy == {("output", "layer1.0.bn1", 0): True, ("output", "layer1.0.conv1", 0): False}
+    assert first._inplace.learned == {("output", "layer1.0.bn1", 0): True, ("output", "layer1.0.conv1", 0): False}
     second = layertap.tap(model, layers)
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad(), second:
         model(x)
-    assert second._copy == first._copy
-    [(_, _, guards)] = second._stores["output"].entries["layer1.0.conv1"]
+    assert second._inplace.learned == first._inplace.learned
+    [(_, _, guards)] = second._kept.stores["output"].entries["layer1.0.conv1"]
     assert guards  # guarded, not copied: no blanket copy on the new tap's first forward
     with torch.no_grad():
         h = model.maxpool(model.relu(model.bn1(model.conv1(x))))
@@ -844,12 +844,12 @@ def test_a_kept_gradient_is_not_a_leafs_grad_that_later_backwards_add_to():
 def test_keep_all_stores_one_entry_per_call_for_the_parts_of_dataparallel_replicas():
     # white-box (DataParallel replicates only with >= 2 GPUs): two replicas' shares of each call
     t = layertap.tap(MLP(), "fc1", keep="all")
-    t._devices, t._gather_device = [0, 1], torch.device("cpu")
-    store = t._stores["output"]
+    t._kept.devices, t._kept.gather_device = [0, 1], torch.device("cpu")
+    store = t._kept.stores["output"]
     halves = [torch.randn(2, 3) for _ in range(4)]
     for index, (first, second) in enumerate([halves[:2], halves[2:]]):
-        t._put(store, "fc1", index, second, [], part=1)  # replicas finish in any order
-        t._put(store, "fc1", index, first, [], part=0)
+        t._kept.put(store, "fc1", index, second, [], part=1)  # replicas finish in any order
+        t._kept.put(store, "fc1", index, first, [], part=0)
     got = t["fc1"]
     assert len(got) == 2
     assert torch.equal(got[0], torch.cat(halves[:2])) and torch.equal(got[1], torch.cat(halves[2:]))

@@ -3,10 +3,12 @@
 Every value is checked bit for bit against a trusted clone-in-the-hook reference run in the same
 forward; reuse is checked by ``data_ptr()``; a value the caller still holds (the tensor, a view,
 a NumPy array, its storage, a DLPack capsule, an autograd graph, shared memory, the container
-around it) is never written. The pool holds at most what two forwards dropped, and goes with the hooks.
+around it) is never written. The pool (`layertap.tap.pool`) holds at most what two forwards dropped,
+and outlives the tap: a new tap's forward writes into the memory of the copies an earlier tap dropped.
 """
 
 import contextlib
+import gc
 import importlib
 
 import pytest
@@ -17,8 +19,20 @@ from torch import nn
 from torch.utils import dlpack
 
 import layertap
+from layertap.tap import pool
 
 MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.fixture(autouse=True)
+def empty_pool():
+    """The pool is the process's: each test starts and ends with no free buffers (what earlier
+    tests left for the cyclic gc collected first, so that it comes back now, not mid-test)."""
+    gc.collect()
+    pool.clear()
+    yield
+    gc.collect()
+    pool.clear()
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +67,6 @@ def assert_equal_to(t, ref, names):
         assert torch.equal(t[n], ref[n]), n  # the same computation on the same batch: bit-exact
 
 
-def pool_bytes(t):
-    return sum(b.untyped_storage().nbytes() for pool in (t._pool, t._stale) for bs in pool.values() for b in bs)
-
-
 def held_bytes(t):
     return sum(v.untyped_storage().nbytes() for v in t.values())
 
@@ -77,7 +87,14 @@ def test_values_over_forwards_equal_clone_in_the_hook_and_reuse_the_previous_cop
     bns = [n for n in layertap.select(resnet50, nn.BatchNorm2d) if "downsample" not in n]
     copied = names if mode == "inference_mode" else bns
     assert [n for n in copied if ptrs[2][n] != ptrs[1][n]] == []
-    assert t._pool == t._stale == {}  # the pool goes with the hooks
+    # the pool outlives the tap: a new tap's first forward writes into the memory of its copies
+    before = pool.held_bytes("cpu")
+    del t
+    assert pool.held_bytes("cpu") == before + sum(ref[n].nbytes for n in copied)
+    with MODES[mode](), reference(resnet50, names) as ref, layertap.tap(resnet50, names) as t:
+        resnet50(torch.randn(2, 3, 64, 64))
+    assert_equal_to(t, ref, names)
+    assert sorted(t[n].data_ptr() for n in copied) == sorted(ptrs[2][n] for n in copied)
 
 
 def test_a_value_the_caller_holds_is_never_overwritten(resnet18, one_thread):
@@ -192,8 +209,8 @@ def test_a_new_batch_size_makes_new_tensors_and_the_pool_stays_bounded(resnet18,
                 assert all(t[n].data_ptr() != before[n][1] for n in names)
             most = max(most, held_bytes(t))
             # the pool holds what the last two forwards dropped, at most
-            assert pool_bytes(t) <= 2 * most
-    assert t._pool == t._stale == {}
+            assert pool.held_bytes() <= 2 * most
+    assert pool.held_bytes() <= 2 * most  # the pool outlives the hooks, within its bound
 
 
 def test_keep_all_and_clear_reuse_the_pool_and_keep_first_is_unchanged(resnet18, one_thread):
@@ -210,7 +227,7 @@ def test_keep_all_and_clear_reuse_the_pool_and_keep_first_is_unchanged(resnet18,
             assert torch.equal(first[n], refs[0][n]), n
         ptrs = {p for n in names for p in (v.data_ptr() for v in every[n])}
         every.clear()
-        assert 0 < pool_bytes(every) <= 3 * held_bytes(first)
+        assert 0 < pool.held_bytes() <= 3 * held_bytes(first)
         with torch.no_grad(), reference(resnet18, names) as ref:
             resnet18(xs[0])
         for n in names:
@@ -218,9 +235,9 @@ def test_keep_all_and_clear_reuse_the_pool_and_keep_first_is_unchanged(resnet18,
             if "downsample" not in n:  # a copy (the others are the network's tensors, kept with a guard)
                 assert every[n][0].data_ptr() in ptrs  # written into a buffer clear() dropped
             assert torch.equal(first[n], refs[0][n]), n
-    assert every._pool == every._stale == {}
-    every.clear()  # outside the block: dropped, not pooled
-    assert every._pool == {}
+    before = pool.held_bytes()
+    every.clear()  # outside the block too, the copies go to the pool, which outlives the hooks
+    assert pool.held_bytes() == before + sum(ref[n].nbytes for n in names if "downsample" not in n)
 
 
 def test_a_tap_re_entered_per_batch_reuses_its_values_and_never_writes_an_edit_result(resnet18, one_thread):
@@ -318,7 +335,7 @@ class Layouts(nn.Module):
 def test_streamed_copies_equal_clone_in_the_hook_in_every_layout_and_reuse_the_previous_copy(monkeypatch, one_thread, mode):
     model = Layouts()
     names = [name for name, _ in model.named_children()]
-    tap_module = importlib.import_module("layertap.tap.core")
+    tap_module = importlib.import_module("layertap.tap.pool")
     streamed = []
     if tap_module._copy is not None:  # built (LAYERTAP_REQUIRE_KERNEL=1 makes test_copy.py fail where it is not)
         kernel = tap_module._copy

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from layertap.cli import run
-from layertap.loading import ModelLoadError, load_model, model_info
+from layertap.loading import ModelLoadError, load_model
+from layertap.modelinfo import model_info
 
 
 class Payload:

@@ -24,7 +24,8 @@ from torch import nn
 
 import layertap
 from layertap.errors import DataChangedError, StoreError, StoreLockedError
-from layertap.store import StoreLock, StoreWriter
+from layertap.store.lock import StoreLock
+from layertap.store.writer import StoreWriter
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
 
@@ -415,7 +416,7 @@ def test_a_second_writer_is_refused_naming_the_first_even_with_overwrite(tmp_pat
 
 def test_a_killed_writers_lock_is_taken_over(tmp_path):
     out = tmp_path / "s.zarr"
-    holder = subprocess.Popen([sys.executable, "-c", f"import layertap.store as s, time; s.StoreLock({str(out)!r}, 'zarr').acquire(); print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", f"import layertap.store.lock as s, time; s.StoreLock({str(out)!r}, 'zarr').acquire(); print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(StoreLockedError, match=str(holder.pid)):
         StoreLock(out, "zarr").acquire()

@@ -13,7 +13,8 @@ from torch import nn
 import layertap
 from layertap.cam import GradCAM, HeatmapGrid, show
 from layertap.records import SkippedSample
-from layertap.store import Layout, StoreWriter, array_specs
+from layertap.store.format import StorePlan, array_specs
+from layertap.store.writer import StoreWriter
 from layertap.tables import Table, sparkline
 
 NAME = "<b>a&b</b>"  # a layer name is data: it must come out escaped
@@ -86,7 +87,7 @@ def test_layer_table_html_has_the_numbers_escaped():
 # --------------------------------------------------------------------- the store
 def test_feature_store_html_shows_arrays_completeness_and_failures(tmp_path):
     specs = array_specs([(NAME, None, (3,), "float32")])
-    layout = Layout(specs, 10, 4, None, "int64", {specs[0].key: np.zeros((1, 3), np.float32)})
+    layout = StorePlan(specs, 10, 4, None, "int64", {specs[0].key: np.zeros((1, 3), np.float32)})
     writer = StoreWriter.create(tmp_path / "s.zarr", "zarr", {"settings": {}, "layers": [NAME]}, layout)
     writer.write_chunk(0, {specs[0].key: np.ones((4, 3), np.float32)}, np.arange(4), [])
     writer.write_chunk(2, {specs[0].key: np.ones((2, 3), np.float32)}, np.arange(8, 10), [SkippedSample(9, 9, "OSError")])

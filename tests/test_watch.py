@@ -2,7 +2,7 @@
 
 References are made without layertap: outputs cloned in plain forward hooks, gradients from
 ``torch.autograd.grad`` with respect to those outputs, statistics in numpy float64. The watch
-uses `layertap.stats.summarize`, which sums float32 rows in float32, so moments are compared
+uses `layertap.tensorstats.tensor_stats`, which sums float32 rows in float32, so moments are compared
 at a relative 1e-6 of the values' scale; counts, min, max, zeros and dead channels exactly.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 import layertap
 from conftest import hook_state
-from layertap.stats import leaf_layers
+from layertap.select import leaf_layers
 from layertap.watch import (
     COLUMNS,
     CSV,
@@ -431,8 +431,9 @@ def test_arguments_are_checked():
 
 def test_no_trainer_library_is_imported_with_layertap():
     # an optional library is imported inside the function that needs it, never at import time
-    tree = ast.parse(Path(layertap.__file__).with_name("watch.py").read_text())
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    package = Path(layertap.__file__).parent
+    trees = [ast.parse(f.read_text()) for f in [package / "watch.py", *sorted((package / "_watch").glob("*.py"))]]
+    top = [n for tree in trees for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = {a.name.split(".")[0] for n in top for a in n.names} | {(n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
     assert not names & {"lightning", "pytorch_lightning", "transformers", "tensorboard", "wandb", "pyarrow"}
 

@@ -35,8 +35,9 @@ from .errors import (
 )
 from .extract import extract_dataset
 from .features import FeatureExtractor, extract
-from .loading import ModelInfo, load_model, model_info
-from .nonfinite import Report, find_nonfinite
+from .loading import load_model
+from .modelinfo import ModelInfo, model_info
+from .nonfinite import NonfiniteReport, find_nonfinite
 from .overlay import overlay, overlay_grid
 from .report import build_report
 from .select import select
@@ -58,7 +59,7 @@ __all__ = [
     "LayerStats",
     "find_nonfinite",
     "build_report",
-    "Report",
+    "NonfiniteReport",
     "tap",
     "Tap",
     "Inputs",

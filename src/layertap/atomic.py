@@ -171,17 +171,19 @@ class AppendLog:
         os.close(self.fd)
 
 
-def _sync_folder(folder: Path) -> None:
-    """The rename itself on disk, where the system allows a folder to be synced."""
+def sync_path(path: str | os.PathLike[str]) -> None:
+    """Hand a file, or a folder's list of entries, to the disk (``fsync``); an error is raised."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is synced
-            os.fsync(fd)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
-__all__ = ["AppendLog", "AtomicFile", "check_target", "one_line", "reason", "write_atomic"]
+def _sync_folder(folder: Path) -> None:
+    """The rename itself on disk, where the system allows a folder to be synced."""
+    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is synced
+        sync_path(folder)
+
+
+__all__ = ["AppendLog", "AtomicFile", "check_target", "one_line", "reason", "sync_path", "write_atomic"]

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
-from .select import Layers, named_layers, owner, select, split_op
+from .select import Layers, Spec, selection
 from .tap import Inputs, Tap, tap
 from .tap.controls import shares_memory
 
@@ -172,6 +172,25 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return mask.to(dtype)
 
 
+def _project(
+    module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, same: bool, rows: slice, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows and keys through the module's query and key projections, ``[L, B, E]``, in ``dtype``."""
+    embed = query.shape[-1]
+    if module._qkv_same_embed_dim:
+        w_q, w_k = module.in_proj_weight[:embed], module.in_proj_weight[embed : 2 * embed]
+    else:
+        w_q, w_k = module.q_proj_weight, module.k_proj_weight
+    bias = module.in_proj_bias
+    b_q, b_k = (None, None) if bias is None else (bias[:embed].to(dtype), bias[embed : 2 * embed].to(dtype))
+    if same and rows == slice(None) and module._qkv_same_embed_dim:
+        # self-attention: one matrix product makes both projections
+        b_qk = None if bias is None else bias[: 2 * embed].to(dtype)
+        both = F.linear(query.to(dtype), module.in_proj_weight[: 2 * embed].to(dtype), b_qk)
+        return both[..., :embed], both[..., embed:]
+    return F.linear(query[rows].to(dtype), w_q.to(dtype), b_q), F.linear(key.to(dtype), w_k.to(dtype), b_k)
+
+
 def _mha(
     module: nn.MultiheadAttention,
     query: torch.Tensor,
@@ -200,20 +219,7 @@ def _mha(
     _, batch, embed = query.shape
     heads = module.num_heads
     head_dim = embed // heads
-    if module._qkv_same_embed_dim:
-        w_q, w_k = module.in_proj_weight[:embed], module.in_proj_weight[embed : 2 * embed]
-    else:
-        w_q, w_k = module.q_proj_weight, module.k_proj_weight
-    bias = module.in_proj_bias
-    b_q, b_k = (None, None) if bias is None else (bias[:embed].to(dtype), bias[embed : 2 * embed].to(dtype))
-    if same and rows == slice(None) and module._qkv_same_embed_dim:
-        # self-attention: one matrix product makes both projections
-        b_qk = None if bias is None else bias[: 2 * embed].to(dtype)
-        both = F.linear(query.to(dtype), module.in_proj_weight[: 2 * embed].to(dtype), b_qk)
-        q, k = both[..., :embed], both[..., embed:]
-    else:
-        q = F.linear(query[rows].to(dtype), w_q.to(dtype), b_q)
-        k = F.linear(key.to(dtype), w_k.to(dtype), b_k)
+    q, k = _project(module, query, key, same, rows, dtype)
     mask = _float_mask(attn_mask, dtype)
     padding = _float_mask(key_padding_mask, dtype)
     if mask is not None:
@@ -290,16 +296,6 @@ def _four_d(weights: torch.Tensor) -> torch.Tensor:
     return weights.flatten(1, -3)
 
 
-def _specs(names: set[str], ops: list[str | None]) -> list[Any]:
-    """Tap specs for ``ops`` (None: the module itself) of the modules ``names``."""
-    modules: list[Any] = []
-    if names - {""}:
-        modules.append(lambda name, _m: name in names)
-    if "" in names:  # a predicate never selects the model itself, its name does
-        modules.append("")
-    return [m if op is None else (m, op) for m in modules for op in ops]
-
-
 def is_attention(name: str, module: nn.Module) -> bool:
     """The modules `attention` searches by default (a `layertap.select` predicate): ``nn.MultiheadAttention``
     and any module whose class name contains ``"Attention"`` (timm's ``Attention``, ``BertSelfAttention``...)."""
@@ -327,8 +323,9 @@ class Attention(Mapping[str, torch.Tensor]):
         self.heads = heads
         self.rows = rows
         self.to = None if to is None else torch.device(to)
-        modules = named_layers(model)
+        chosen = selection(model, "" if layers is None else layers)
         if layers is None:
+            modules = chosen.layers
             names = [name for name, module in modules.items() if is_attention(name, module)]
             if not names:
                 classes = sorted({type(m).__name__ for m in modules.values()})
@@ -338,9 +335,14 @@ class Attention(Mapping[str, torch.Tensor]):
                     f"{', '.join(classes[:20])}{', ...' if len(classes) > 20 else ''}. Pass layers= with the "
                     "modules whose forward calls scaled_dot_product_attention or softmax"
                 )
-        else:
-            names = list(dict.fromkeys(owner(name) for name in select(model, layers)))
-        self.sites: dict[str, nn.Module] = {name: modules[name] for name in names}
+            chosen = chosen.select(names)
+        # the modules selected, and those whose ops were
+        self.sites: dict[str, nn.Module] = dict(chosen.modules)
+        # what the tap reads: an nn.MultiheadAttention's inputs, the others' attention ops
+        specs: list[Spec] = []
+        for name, module in self.sites.items():
+            specs += [name] if isinstance(module, nn.MultiheadAttention) else [(name, _SDPA), (name, "softmax")]
+        self._selection = chosen.select(specs)
         self._maps: dict[str, torch.Tensor] = {}
         self._sdpa: set[str] = set()  # sites read from scaled_dot_product_attention: their softmax is not attention
         self._softmax_last_dim: dict[str, bool] = {}
@@ -381,10 +383,7 @@ class Attention(Mapping[str, torch.Tensor]):
 
     # -------------------------------------------------------------- collecting
     def __enter__(self) -> Attention:
-        mha = {name for name, m in self.sites.items() if isinstance(m, nn.MultiheadAttention)}
-        ops = {name for name in self.sites if name not in mha}
-        specs = _specs(mha, [None]) + _specs(ops, [_SDPA, "softmax"])
-        self._tap = tap(self.model, specs, capture=("input", "output"), observe=self._observe)
+        self._tap = tap(self.model, self._selection, capture=("input", "output"), observe=self._observe)
         self._tap.__enter__()
         return self
 
@@ -401,7 +400,7 @@ class Attention(Mapping[str, torch.Tensor]):
         try:
             self._read(name, kind, value)
         except Exception as e:  # name the module: the traceback would point into the model's forward
-            op = split_op(name)
+            op = self._selection.ops.get(name)
             module, what = (name, "inputs") if op is None else (op.module, f"{op.op} {kind}")
             raise TapError(
                 f"layertap.attention could not recompute the attention of {module!r} "
@@ -410,7 +409,7 @@ class Attention(Mapping[str, torch.Tensor]):
             ) from e
 
     def _read(self, name: str, kind: str, value: Any) -> None:
-        op = split_op(name)
+        op = self._selection.ops.get(name)
         with torch.no_grad():
             if op is None:
                 if kind == "input":

@@ -16,11 +16,7 @@ tuple input is passed as positional arguments (see `layertap.features.run_model`
 Every sample has a fixed global index (its position in the data), so any subset can be
 visited (``shard=``) and the batches over a subset are cut exactly as in a full pass.
 
-Worker processes end with their parent. On Linux each DataLoader worker that layertap starts
-asks the kernel to kill it when the process that started it dies (``PR_SET_PDEATHSIG``), so an
-extraction killed with ``kill -9`` leaves no worker behind holding memory or the store's lock
-(torch's own check notices only between samples, and a worker can block at exit on a full pipe).
-A ``worker_init_fn`` of your DataLoader still runs, after that.
+The DataLoader workers that layertap starts end with their parent process (`layertap.workers`).
 
 >>> import torch
 >>> batches = iter_batches(torch.utils.data.TensorDataset(torch.randn(10, 3), torch.arange(10)), batch_size=4)
@@ -30,11 +26,7 @@ A ``worker_init_fn`` of your DataLoader still runs, after that.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +40,10 @@ from . import nested
 from .errors import CorruptImageError, DataError
 from .images import find_images, load_image, pixel_limit
 from .records import SkippedSample
+from .workers import EndWithParent, default_workers
 
 OnError = Literal["fail", "skip"]
-ON_ERROR = ("fail", "skip")
+_ON_ERROR = ("fail", "skip")
 _LABEL_KEYS = ("label", "labels")
 
 
@@ -194,7 +187,7 @@ class _MapDataset(Protocol):
     def __len__(self) -> int: ...
 
 
-Catch = type[BaseException] | tuple[type[BaseException], ...]
+_Catch = type[BaseException] | tuple[type[BaseException], ...]
 
 
 class _Failed(NamedTuple):
@@ -209,7 +202,7 @@ class _Guarded(Dataset):
     cannot be rebuilt from a pickle), and the main process raises or records it.
     """
 
-    def __init__(self, dataset: _MapDataset, catch: Catch) -> None:
+    def __init__(self, dataset: _MapDataset, catch: _Catch) -> None:
         self.dataset, self.catch = dataset, catch
 
     def __len__(self) -> int:
@@ -290,7 +283,7 @@ class _Indexed(DataSource):
         on_error: OnError,
         batch_size: int,
         loader_options: dict,
-        catch_in_fail_mode: Catch = (),
+        catch_in_fail_mode: _Catch = (),
         limit: int | None,
     ) -> None:
         self.dataset = dataset
@@ -300,7 +293,7 @@ class _Indexed(DataSource):
         self.on_error = on_error
         self.batch_size = batch_size
         self.loader_options = loader_options
-        self.catch: Catch = Exception if on_error == "skip" else catch_in_fail_mode
+        self.catch: _Catch = Exception if on_error == "skip" else catch_in_fail_mode
 
     def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
         indices = range(self.num_samples) if shard is None else np.asarray(shard, dtype=np.int64)
@@ -309,7 +302,7 @@ class _Indexed(DataSource):
         options = dict(self.loader_options)
         collate = options.pop("collate_fn", None) or default_collate
         if options.get("num_workers"):
-            options["worker_init_fn"] = _EndWithParent(options.get("worker_init_fn"))
+            options["worker_init_fn"] = EndWithParent(options.get("worker_init_fn"))
         loader = DataLoader(
             _Guarded(self.dataset, self.catch),
             batch_size=self.batch_size,
@@ -375,42 +368,6 @@ def _npy_rows(path: Path) -> ArrayRows:
     return ArrayRows(array, str(path))
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _ended(pid: int) -> bool:
-    """Whether process ``pid`` has ended: gone, or a zombie not yet reaped (Linux's /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
-
-
-class _EndWithParent:
-    """A DataLoader ``worker_init_fn``: the worker is killed when the process that made the loader
-    dies (Linux), then the loader's own ``worker_init_fn``, if any, runs."""
-
-    def __init__(self, then: Callable[[int], None] | None) -> None:
-        self.then = then
-        self.parent = os.getpid()  # made where the loader is iterated, which starts the workers
-
-    def __call__(self, worker_id: int) -> None:
-        if sys.platform == "linux":
-            with contextlib.suppress(OSError, AttributeError):  # no prctl (another libc): torch's own check remains
-                ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            # the parent may have died before the signal was asked for; a forkserver parent is not it
-            if os.getppid() != self.parent and _ended(self.parent):
-                os._exit(1)
-        if self.then is not None:
-            self.then(worker_id)
-
-
-def _default_workers(files: bool) -> int:
-    # decoding image files is the slow part of a data pipeline: give it processes
-    return min(4, max(1, (os.cpu_count() or 2) - 1)) if files else 0
-
-
 def _loader_options(loader: DataLoader) -> dict:
     """The options of a user's DataLoader that a rebuilt one over a subset must keep."""
     options = dict(
@@ -459,41 +416,44 @@ def open_data(
             default PIL's limit (``PIL.Image.MAX_IMAGE_PIXELS``: it refuses twice that, about 179
             million pixels); ``0``: no limit. See `layertap.images`.
     """
-    if on_error not in ON_ERROR:
+    if on_error not in _ON_ERROR:
         raise ValueError(f"unknown on_error={on_error!r}: use 'fail' or 'skip'")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
 
-    def options(files: bool) -> dict:
-        workers = _default_workers(files) if num_workers is None else num_workers
-        return dict(num_workers=workers, pin_memory=pin_memory)
+    def indexed(
+        dataset: _MapDataset,
+        description: str,
+        *,
+        ids: Sequence | None = None,
+        files: bool = False,
+        catch: _Catch = (),
+        batch: int = batch_size,
+        loader_options: dict | None = None,
+    ) -> _Indexed:
+        if loader_options is None:  # a DataLoader of layertap's own
+            workers = default_workers(files) if num_workers is None else num_workers
+            loader_options = dict(num_workers=workers, pin_memory=pin_memory)
+        return _Indexed(
+            dataset,
+            ids=ids,
+            description=description,
+            on_error=on_error,
+            batch_size=batch,
+            loader_options=loader_options,
+            catch_in_fail_mode=catch,
+            limit=limit,
+        )
 
     if isinstance(data, (str, os.PathLike)):
         path = Path(data)
         if path.suffix == ".npy":
-            return _Indexed(
-                _npy_rows(path),
-                ids=None,
-                description=f"array {path}",
-                on_error=on_error,
-                batch_size=batch_size,
-                loader_options=options(False),
-                limit=limit,
-            )
+            return indexed(_npy_rows(path), f"array {path}")
         images = find_images(path)
         dataset = ImageFiles(images.paths, images.labels, transform, max_image_pixels=max_image_pixels)
-        source = _Indexed(
-            dataset,
-            ids=images.ids(),
-            description=f"images {path}",
-            on_error=on_error,
-            batch_size=batch_size,
-            loader_options=options(True),
-            catch_in_fail_mode=CorruptImageError,
-            limit=limit,
-        )
+        source = indexed(dataset, f"images {path}", ids=images.ids(), files=True, catch=CorruptImageError)
         source.transform = dataset.transform
         source.root, source.classes = images.root.absolute(), images.classes
         return source
@@ -507,41 +467,18 @@ def open_data(
         if isinstance(data.sampler, SequentialSampler) and data.batch_size is not None and not isinstance(inner, IterableDataset):
             # a SequentialSampler reads range(len(dataset)), so this dataset has a length
             mapped = _as_map(inner)
-            return _Indexed(
-                mapped,
-                ids=_dataset_ids(mapped),
-                description=f"DataLoader over {type(inner).__name__}",
-                on_error=on_error,
-                batch_size=data.batch_size,
-                loader_options=_loader_options(data),
-                limit=limit,
-            )
+            description = f"DataLoader over {type(inner).__name__}"
+            return indexed(mapped, description, ids=_dataset_ids(mapped), batch=data.batch_size, loader_options=_loader_options(data))
         return _Stream(data, num_samples=_length(data.dataset), description="DataLoader", limit=limit)
     if isinstance(data, (np.ndarray, torch.Tensor)):
         rows = ArrayRows(data, f"this {type(data).__name__}")
-        return _Indexed(
-            rows,
-            ids=None,
-            description=f"{type(data).__name__} of {len(data)} rows",
-            on_error=on_error,
-            batch_size=batch_size,
-            loader_options=options(False),
-            limit=limit,
-        )
+        return indexed(rows, f"{type(data).__name__} of {len(data)} rows")
     if isinstance(data, IterableDataset):
         loader = DataLoader(data, batch_size=batch_size)  # workers would each read the whole iterable
         return _Stream(loader, num_samples=_length(data), description=type(data).__name__, limit=limit)
     if isinstance(data, Dataset) or (hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, (list, tuple))):
         mapped = _as_map(data)
-        return _Indexed(
-            mapped,
-            ids=_dataset_ids(mapped),
-            description=type(data).__name__,
-            on_error=on_error,
-            batch_size=batch_size,
-            loader_options=options(False),
-            limit=limit,
-        )
+        return indexed(mapped, type(data).__name__, ids=_dataset_ids(mapped))
     if isinstance(data, Iterable) and not isinstance(data, (str, bytes, dict)):
         return _Stream(data, num_samples=None, description=f"{type(data).__name__} of batches", limit=limit)
     raise DataError(

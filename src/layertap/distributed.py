@@ -181,4 +181,4 @@ def job(device: torch.device | str | None = None, *, together: bool = True) -> I
             dist.destroy_process_group()
 
 
-__all__ = ["Processes", "RankFailedError", "job", "launched", "rank_device"]
+__all__ = ["Processes", "job", "launched", "rank_device"]

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal
 
-import torch
 from torch import nn
 
-from .runtime import explain_failures, run_model
-from .select import Layers, select
+from .runtime import run_model, running
+from .select import Layers, Selection, selection
 from .tap import tap
 
 
 def extract(
     model: nn.Module,
     inputs: Any,
-    layers: Layers,
+    layers: Layers | Selection,
     *,
     capture: Literal["output", "input"] = "output",
     stop_early: bool = True,
@@ -40,9 +38,9 @@ def extract(
             f"extract captures 'output' or 'input', not {capture!r}: for gradients use "
             "layertap.tap(model, layers, capture='grad') around your own backward"
         )
-    grad_mode = contextlib.nullcontext() if tap_options.get("detach") is False else torch.no_grad()
-    with explain_failures(model), grad_mode:
-        with tap(model, layers, capture=capture, stop_early=stop_early, **tap_options) as taps:
+    # detach=False: the caller's autograd mode, so the values can carry gradients
+    with running(model, grad=None if tap_options.get("detach") is False else False):
+        with tap(model, selection(model, layers), capture=capture, stop_early=stop_early, **tap_options) as taps:
             run_model(model, inputs)
     view = taps.outputs if capture == "output" else taps.inputs
     return {name: view[name] for name in taps.names}
@@ -64,15 +62,19 @@ class FeatureExtractor(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, layers: Layers, *, detach: bool = False, stop_early: bool = True, **tap_options: Any
+        self, model: nn.Module, layers: Layers | Selection, *, detach: bool = False, stop_early: bool = True, **tap_options: Any
     ) -> None:
         super().__init__()
         self.model = model
-        self.layers = select(model, layers)
+        self._selection = selection(model, layers)  # resolved once, for every forward
+        self.layers = list(self._selection.names)
         self._options = dict(detach=detach, stop_early=stop_early, **tap_options)
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        with explain_failures(self.model):
-            with tap(self.model, self.layers, **self._options) as taps:
+        with running(self.model, grad=None):  # gradients flow
+            chosen = self._selection
+            if chosen.model is not self.model:  # a replica (nn.DataParallel) or a copy: its own modules
+                chosen = selection(self.model, self.layers)
+            with tap(self.model, chosen, **self._options) as taps:
                 self.model(*args, **kwargs)
         return {name: taps[name] for name in taps.names}

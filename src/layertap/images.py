@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ArgumentError, CorruptImageError, require
+from .modelinfo import ImageTransform
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 # Pillow's decoders that run no outside program (its JPEG one also reads MPO, a camera's JPEGs)
@@ -67,7 +68,7 @@ class ImageList:
         return [p.relative_to(self.root).as_posix() if p != self.root else p.name for p in self.paths]
 
 
-def is_image(path: Path) -> bool:
+def _is_image(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS
 
 
@@ -80,12 +81,12 @@ def find_images(root: str | Path) -> ImageList:
     """
     root = Path(root)
     if root.is_file():
-        if not is_image(root):
+        if not _is_image(root):
             raise ValueError(f"{root} is not an image file (extensions: {', '.join(IMAGE_EXTENSIONS)})")
         return ImageList(root.parent, [root], None, None)
     if not root.is_dir():
         raise FileNotFoundError(f"no image file or folder at {root}")
-    paths = sorted(p for p in root.rglob("*") if p.is_file() and is_image(p))
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and _is_image(p))
     if not paths:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
     tops = sorted({p.relative_to(root).parts[0] for p in paths if len(p.relative_to(root).parts) > 1})
@@ -249,15 +250,13 @@ def _centre_cropped(view: View, size: Any) -> View:
 
 def _read(transform: Any, view: View) -> View | None:
     """``view`` after ``transform``, for the transforms whose geometry can be read; else ``None``."""
-    from .loading import ImageTransform, ShapesTransform
-
     kind = type(transform).__name__
     if isinstance(transform, ImageTransform):
         _, height, width = transform.input_size
         if not transform.crop:
             return _resized(view, (height, width))
         return _centre_cropped(_resized(view, int(height / 0.875)), (height, width))
-    if isinstance(transform, ShapesTransform):
+    if kind == "ShapesTransform":  # the bundled model's (layertap.shapes, which sits above this module)
         width, height = transform.size
         return _resized(view, (height, width), resample="bicubic")  # PIL's default
     if kind == "ImageClassification" and hasattr(transform, "resize_size"):  # torchvision's weights presets
@@ -323,12 +322,12 @@ def _measured(transform: Any, image_size: tuple[int, int]) -> View:
 def view_box(transform: Any, image_size: tuple[int, int]) -> View:
     """Which part of an image of ``image_size`` (width, height) ``transform`` gives the model.
 
-    Read exactly from layertap's `layertap.loading.ImageTransform`, the bundled model's
+    Read exactly from layertap's `layertap.modelinfo.ImageTransform`, the bundled model's
     transform, torchvision's weights presets and ``Compose`` pipelines of ``Resize`` and
     ``CenterCrop`` (timm's eval transforms are those); measured for any other transform that
     only resizes, crops and pads (a Hugging Face image processor, say).
 
-    >>> from layertap.loading import ImageTransform
+    >>> from layertap.modelinfo import ImageTransform
     >>> view_box(ImageTransform((3, 32, 32)), (300, 180))   # short side to 36, then the centre 32x32
     View(box=(70.0, 10.0, 230.0, 170.0), size=(32, 32), resample='bilinear')
     """
@@ -344,7 +343,7 @@ def model_view(image: Any, transform: Any):
     Where the transform pads (a crop larger than the image), the padding is black.
 
     >>> from PIL import Image
-    >>> from layertap.loading import ImageTransform
+    >>> from layertap.modelinfo import ImageTransform
     >>> model_view(Image.new("RGB", (300, 180)), ImageTransform((3, 32, 32))).size
     (32, 32)
     """
@@ -374,7 +373,7 @@ def to_original(heatmap: Any, image: Any, transform: Any, size: tuple[int, int] 
 
     >>> import numpy as np
     >>> from PIL import Image
-    >>> from layertap.loading import ImageTransform
+    >>> from layertap.modelinfo import ImageTransform
     >>> hot = np.zeros((32, 32)); hot[5, 20] = 1                # one input pixel
     >>> mapped = to_original(hot, Image.new("RGB", (300, 180)), ImageTransform((3, 32, 32)))
     >>> mapped.shape, np.unravel_index(np.nanargmax(mapped), mapped.shape)

@@ -1,4 +1,4 @@
-"""Loading a model from one string, shared by every command, and what layertap knows about it.
+"""Loading a model from one string, shared by every command, with the refusals that keep it safe.
 
 Accepted specs:
 
@@ -31,9 +31,10 @@ A weights download that fails (no network) says where the file comes from and wh
 or to drop the weights for random ones.
 
 Every model is returned in eval mode, with what the spec tells about it (input size,
-preprocessing, class names) recorded for `model_info`. Random weights are drawn from a fixed seed
-(the caller's random state is left alone), so every process of a ``torchrun`` job, and every run
-that resumes an extraction, builds the same model.
+preprocessing, class names) recorded for `model_info` (`layertap.modelinfo`, which also knows
+models built elsewhere). Random weights are drawn from a fixed seed (the caller's random state
+is left alone), so every process of a ``torchrun`` job, and every run that resumes an
+extraction, builds the same model.
 
 >>> import layertap
 >>> model = layertap.load_model("torchvision:resnet18")
@@ -56,19 +57,18 @@ import re
 import stat
 import urllib.parse
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import DataError, ModelLoadError, require
+from .errors import ModelLoadError, require
+from .modelinfo import ModelInfo, hf_info, model_info, timm_info
+from .shapes.data import ShapesTransform
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_SPEC = "layertap:shapes"
-TEXT_LENGTH = 16  # tokens in a text model's default example input
 
 SPEC_FORMS = (
     "torchvision:NAME[:WEIGHTS] (e.g. torchvision:resnet50, torchvision:resnet50:IMAGENET1K_V2)",
@@ -85,153 +85,6 @@ _SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json"
 _CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model")  # where trainers nest the weights
 # how the pickle of torch.save's legacy (pre-zip) format starts: its magic number, as any protocol >= 2 writes it
 _LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
-
-
-# The transforms are classes, not closures, so that a loaded model (which carries its info)
-# still pickles: torch.save(model), DataLoader workers, multiprocessing.
-@dataclasses.dataclass(frozen=True)
-class NotImages:
-    """The ``transform`` of a model that does not take images: calling it says so."""
-
-    kind: str
-
-    def __call__(self, image: Any) -> torch.Tensor:
-        takes = "token ids" if self.kind == "text" else "its own kind of input"
-        raise DataError(f"this is a {self.kind} model: it takes {takes}, not images")
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageTransform:
-    """RGB PIL image -> normalised ``[C, H, W]`` tensor at ``input_size``.
-
-    With ``crop`` (the ImageNet convention) the short side is resized to ``H / 0.875`` and the
-    centre cropped; without, the image is resized to ``(H, W)``. torchvision is imported on the
-    first call, so that knowing about a model never needs it.
-
-    >>> from PIL import Image
-    >>> ImageTransform((3, 32, 32))(Image.new("RGB", (50, 40))).shape
-    torch.Size([3, 32, 32])
-    """
-
-    input_size: tuple[int, int, int]
-    mean: tuple[float, ...] = IMAGENET_MEAN
-    std: tuple[float, ...] = IMAGENET_STD
-    crop: bool = True
-
-    @functools.cached_property
-    def pipeline(self) -> Callable[[Any], torch.Tensor]:
-        T = require("torchvision.transforms", "vision")
-        _, height, width = self.input_size
-        size = (
-            [T.Resize(int(height / 0.875)), T.CenterCrop((height, width))]
-            if self.crop
-            else [T.Resize((height, width))]
-        )
-        return T.Compose([*size, T.ToTensor(), T.Normalize(self.mean, self.std)])
-
-    def __call__(self, image: Any) -> torch.Tensor:
-        return self.pipeline(image.convert("RGB"))
-
-
-@dataclasses.dataclass
-class ModelInfo:
-    """What layertap knows about a model: where it came from and how to feed it.
-
-    Attributes:
-        spec: the `load_model` spec, or ``None`` for a model built elsewhere.
-        input_size: ``(C, H, W)`` of an image input (vision models).
-        transform: one RGB ``PIL.Image`` -> normalised ``[C, H, W]`` float tensor; for a model
-            that does not take images it raises an error that says so.
-        classes: class names of the outputs, when the weights say them.
-        kind: ``"vision"``, ``"text"``, ``"audio"`` or ``"other"``.
-        vocab_size: size of a text model's vocabulary (for random example token ids).
-    """
-
-    spec: str | None = None
-    input_size: tuple[int, int, int] = (3, 224, 224)
-    transform: Callable[[Any], torch.Tensor] | None = None  # None: ImageNet preprocessing
-    classes: list[str] | None = None
-    kind: str = "vision"
-    vocab_size: int | None = None
-
-    def __post_init__(self) -> None:
-        self.input_size = tuple(int(s) for s in self.input_size)  # type: ignore[assignment]
-        if self.transform is None:
-            self.transform = (
-                ImageTransform(self.input_size) if self.kind == "vision" else NotImages(self.kind)
-            )
-
-    def example(self, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """A random example input: token ids ``[1, 16]`` for text, else ``[1, *input_size]``.
-
-        >>> ModelInfo(kind="text", vocab_size=100).example((2, 8)).dtype
-        torch.int64
-        """
-        if self.kind == "text":
-            return torch.randint(0, self.vocab_size or 2, tuple(shape or (1, TEXT_LENGTH)))
-        return torch.randn(tuple(shape or (1, *self.input_size)))
-
-
-# ---------------------------------------------------------------------------- what a model is
-def _hf_info(model: nn.Module, spec: str | None) -> ModelInfo:
-    """Info of a Hugging Face ``PreTrainedModel``, from its config (no import of transformers)."""
-    config = model.config
-    # a str on a Hugging Face model; typed object, as a model found only by its attributes may hold anything
-    main_input: object = model.main_input_name
-    kinds: dict[object, str] = {"input_ids": "text", "pixel_values": "vision"}
-    kind = kinds.get(
-        main_input,
-        "audio" if main_input in ("input_values", "input_features") else "other",
-    )
-    if kind != "vision":
-        return ModelInfo(spec, kind=kind, vocab_size=getattr(config, "vocab_size", None))
-    size = getattr(config, "image_size", 224)
-    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
-    return ModelInfo(spec, (getattr(config, "num_channels", 3), height, width), kind="vision")
-
-
-def _timm_info(model: nn.Module, spec: str | None) -> ModelInfo:
-    data = require("timm.data", "timm")
-    config = data.resolve_data_config({}, model=model)
-    return ModelInfo(spec, config["input_size"], transform=data.create_transform(**config), kind="vision")
-
-
-def _declared_info(model: nn.Module, spec: str | None) -> ModelInfo | None:
-    """Info from attributes a model declares itself (``input_size``, ``mean``, ``std``, ``classes``)."""
-    size = getattr(model, "input_size", None)
-    if not (isinstance(size, (tuple, list)) and len(size) == 3):
-        return None
-    mean, std = getattr(model, "mean", IMAGENET_MEAN), getattr(model, "std", IMAGENET_STD)
-    classes = getattr(model, "classes", None)
-    return ModelInfo(
-        spec,
-        tuple(size),
-        transform=ImageTransform(tuple(size), tuple(mean), tuple(std), crop=False),
-        classes=list(classes) if classes is not None else None,
-    )
-
-
-def _infer_info(model: nn.Module, spec: str | None = None) -> ModelInfo:
-    if hasattr(model, "config") and hasattr(model, "main_input_name"):
-        return _hf_info(model, spec)
-    if isinstance(getattr(model, "pretrained_cfg", None), dict):
-        return _timm_info(model, spec)
-    return _declared_info(model, spec) or ModelInfo(spec)
-
-
-def model_info(model: nn.Module) -> ModelInfo:
-    """What layertap knows about ``model``: recorded by `load_model`, else inferred.
-
-    A model built elsewhere is recognised as a Hugging Face model (from its config), a timm
-    model (from its data config), a model declaring ``input_size``/``mean``/``std``/``classes``
-    attributes, or else a 224×224 ImageNet-normalised vision model.
-
-    >>> import torch
-    >>> model_info(torch.nn.Conv2d(3, 8, 3)).input_size
-    (3, 224, 224)
-    """
-    info = getattr(model, "layertap_info", None)
-    return info if isinstance(info, ModelInfo) else _infer_info(model)
 
 
 # ---------------------------------------------------------------------------- the loaders
@@ -289,7 +142,7 @@ def _timm(name: str, pretrained: str | None) -> tuple[nn.Module, ModelInfo]:
         if pretrained is None:
             raise
         raise _timm_download_failed(timm, name, e) from e
-    return model, _timm_info(model, f"timm:{name}" + (":pretrained" if pretrained else ""))
+    return model, timm_info(model, f"timm:{name}" + (":pretrained" if pretrained else ""))
 
 
 def _timm_download_failed(timm: Any, name: str, error: OSError) -> ModelLoadError:
@@ -323,6 +176,7 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+# a class, not a closure, so that a loaded model (which carries its info) still pickles
 @dataclasses.dataclass(frozen=True)
 class ProcessorTransform:
     """A Hugging Face image processor as a one-image transform."""
@@ -479,7 +333,7 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
     # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
     with _hf_refusals(spec):
         model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)
-    info = _hf_info(model, spec)
+    info = hf_info(model, spec)
     if info.kind == "vision":
         try:  # the model's own preprocessing, when it was saved with the model (custom code still refused)
             with _hf_refusals(spec):
@@ -510,21 +364,6 @@ def _factory(spec: str) -> tuple[nn.Module, ModelInfo]:
     if not isinstance(model, nn.Module):
         raise ModelLoadError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
     return model, dataclasses.replace(model_info(model), spec=spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapesTransform:
-    """The bundled model's own preprocessing, after resizing to the 64x64 it was trained on."""
-
-    size: tuple[int, int]  # (width, height)
-
-    def __call__(self, image: Any) -> torch.Tensor:
-        from .shapes import preprocess
-
-        image = image.convert("RGB")
-        if image.size != self.size:
-            image = image.resize(self.size)
-        return preprocess(image)[0]
 
 
 def _shapes() -> tuple[nn.Module, ModelInfo]:
@@ -738,11 +577,7 @@ def load_model(spec: str, *, arch: str | None = None, trust: bool = False) -> nn
 
 __all__ = [
     "load_model",
-    "model_info",
     "spec_kind",
-    "ModelInfo",
-    "ImageTransform",
-    "NotImages",
     "DEFAULT_SPEC",
     "SPEC_FORMS",
 ]

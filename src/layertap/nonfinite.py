@@ -29,16 +29,17 @@ import torch
 from torch import nn
 
 from . import nested
-from .runtime import explain_failures, run_model
-from .select import Layers, named_layers, owner, select
-from .stats import LayerStats, Summary, summarize
+from .runtime import run_model, running
+from .select import Layers, Selection, owner, selection
+from .stats import LayerStats
 from .tap import Kind, Tap, tap
+from .tensorstats import TensorStats, tensor_stats
 
 Phase = Literal["forward", "backward"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Report:
+class NonfiniteReport:
     """Where a non-finite value first appeared.
 
     Attributes:
@@ -96,7 +97,7 @@ def _describe(s: LayerStats) -> str:
     )
 
 
-def _nonfinite(summary: Summary) -> bool:
+def _nonfinite(summary: TensorStats) -> bool:
     return summary.nan + summary.inf > 0
 
 
@@ -105,7 +106,13 @@ class _Call(NamedTuple):
 
     layer: str
     call: int
-    summaries: list[Summary]
+    summaries: list[TensorStats]
+
+
+def _every_module(model: nn.Module) -> Selection:
+    """Every module, the model itself first, resolved from one walk of the model."""
+    root = selection(model, "")
+    return root.select(list(root.layers))
 
 
 class NonfiniteCheck:
@@ -119,13 +126,14 @@ class NonfiniteCheck:
 
     def __init__(self, model: nn.Module, layers: Layers | None = None, *, grads: bool | None = None) -> None:
         self.model = model
-        self.names = select(model, layers) if layers is not None else list(named_layers(model))
+        self._selection = _every_module(model) if layers is None else selection(model, layers)
+        self.names = list(self._selection.names)
         self.grads = grads
-        self.report: Report | None = None
-        self._modules = named_layers(model)
+        self.report: NonfiniteReport | None = None
+        self._modules = self._selection.layers
         # the tap's observer fills these, each in the order its values came
         self._outputs: list[_Call] = []
-        self._inputs: dict[tuple[str, int], list[Summary]] = {}
+        self._inputs: dict[tuple[str, int], list[TensorStats]] = {}
         self._grads: dict[tuple[str, int], _Call] = {}
         self._tap: Tap | None = None
 
@@ -133,7 +141,7 @@ class NonfiniteCheck:
         grads = torch.is_grad_enabled() if self.grads is None else self.grads
         capture: tuple[Kind, ...] = ("output", "input", "grad") if grads else ("output", "input")
         self.report = None
-        self._tap = tap(self.model, self.names, capture=capture, observe=self._observe)
+        self._tap = tap(self.model, self._selection, capture=capture, observe=self._observe)
         self._tap.__enter__()
         return self
 
@@ -147,7 +155,7 @@ class NonfiniteCheck:
             self._outputs, self._inputs, self._grads = [], {}, {}
 
     def _observe(self, layer: str, kind: str, call: int, value: Any) -> None:
-        summaries = [s for t in nested.tensors(value) if t.is_floating_point() and (s := summarize(t)) is not None]
+        summaries = [s for t in nested.tensors(value) if t.is_floating_point() and (s := tensor_stats(t)) is not None]
         if not summaries:  # an integer output (token ids, indices): nothing to check
             return
         if kind == "output":
@@ -157,7 +165,7 @@ class NonfiniteCheck:
         else:  # a gradient comes tensor by tensor; the call takes its place with its first
             self._grads.setdefault((layer, call), _Call(layer, call, [])).summaries.extend(summaries)
 
-    def _find(self) -> Report | None:
+    def _find(self) -> NonfiniteReport | None:
         phases: list[tuple[Phase, list[_Call]]] = [("forward", self._outputs), ("backward", list(self._grads.values()))]
         for phase, calls in phases:
             first = next((i for i, c in enumerate(calls) if any(map(_nonfinite, c.summaries))), None)
@@ -166,7 +174,7 @@ class NonfiniteCheck:
             bad = calls[first]
             inputs = self._inputs.get((bad.layer, bad.call), [])
             previous = calls[first - 1] if first else None
-            return Report(
+            return NonfiniteReport(
                 phase=phase,
                 layer=bad.layer,
                 module_type=self._type(bad.layer),
@@ -180,7 +188,7 @@ class NonfiniteCheck:
     def _type(self, layer: str) -> str:
         return type(self._modules[owner(layer)]).__name__
 
-    def _stats(self, layer: str, call: int, summary: Summary, suffix: str = "") -> LayerStats:
+    def _stats(self, layer: str, call: int, summary: TensorStats, suffix: str = "") -> LayerStats:
         return LayerStats.from_summary(summary, name=layer + suffix, layer=layer, call=call, module_type=self._type(layer))
 
 
@@ -205,7 +213,7 @@ def find_nonfinite(model: nn.Module, *, layers: Layers | None = None) -> Nonfini
 @overload
 def find_nonfinite(
     model: nn.Module, inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None, layers: Layers | None = None
-) -> Report | None: ...
+) -> NonfiniteReport | None: ...
 
 
 def find_nonfinite(
@@ -214,11 +222,11 @@ def find_nonfinite(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     layers: Layers | None = None,
-) -> Report | NonfiniteCheck | None:
+) -> NonfiniteReport | NonfiniteCheck | None:
     """The first layer whose output (forward) or output gradient (backward) holds NaN or Inf.
 
     Runs ``model`` on ``inputs`` (a tensor, a tuple of args or a dict of kwargs), and with
-    ``loss_fn(output) -> scalar`` the backward too (no ``.grad`` is written). Returns a `Report`
+    ``loss_fn(output) -> scalar`` the backward too (no ``.grad`` is written). Returns a `NonfiniteReport`
     with the layer, its class, its inputs' statistics and the previous layer's, or ``None``
     when every value is finite. ``layers`` restricts the check (default: every module). The
     model runs as it is: in train mode, BatchNorm updates its running statistics as usual.
@@ -237,11 +245,11 @@ def find_nonfinite(
             raise TypeError("loss_fn goes with inputs: find_nonfinite(model, inputs, loss_fn=...)")
         return NonfiniteCheck(model, layers)
     check = NonfiniteCheck(model, layers, grads=loss_fn is not None)
-    with explain_failures(model), torch.set_grad_enabled(loss_fn is not None), check:
+    with running(model, grad=loss_fn is not None), check:
         output = run_model(model, inputs)
         if loss_fn is not None:
             _backward(model, loss_fn(output))
     return check.report
 
 
-__all__ = ["find_nonfinite", "Report", "NonfiniteCheck"]
+__all__ = ["find_nonfinite", "NonfiniteReport", "NonfiniteCheck"]

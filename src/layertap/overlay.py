@@ -117,7 +117,7 @@ def overlay(image: Any, heatmap: Any, alpha: float = 0.5, colormap: Colormap = "
 
     >>> import numpy as np
     >>> from PIL import Image
-    >>> from layertap.loading import ImageTransform
+    >>> from layertap.modelinfo import ImageTransform
     >>> overlay(Image.new("RGB", (300, 180)), np.ones((32, 32)), transform=ImageTransform((3, 32, 32))).size
     (300, 180)
     """

@@ -1,5 +1,6 @@
 """Running a model: calling it on a batch, placing it on a device, and naming the layer a failing
-forward died in (found from the traceback at no cost to a good forward).
+forward died in (found from the traceback at no cost to a good forward). `running` is the one
+way layertap's own functions run a model: autograd as they need it, a failure named.
 
 >>> import torch, layertap
 >>> from layertap.runtime import explain_failures
@@ -45,11 +46,10 @@ def place_model(model: nn.Module, device: torch.device | str | None) -> torch.de
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-
 _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 
 
-def locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple, dict] | None:
+def _locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple, dict] | None:
     """The innermost layer of ``model`` whose call is on ``exc``'s traceback, with its inputs."""
     names = {id(m): name for name, m in named_layers(model).items()}
     found = None
@@ -65,7 +65,7 @@ def locate(exc: BaseException, model: nn.Module) -> tuple[str, nn.Module, tuple,
     return found
 
 
-def describe_inputs(args: tuple, kwargs: dict) -> str:
+def _describe_inputs(args: tuple, kwargs: dict) -> str:
     """Shapes and dtypes of a call's inputs, e.g. ``[[3, 8]] (torch.float32)``.
 
     Never raises: it describes an error already being raised, which it must not replace.
@@ -92,17 +92,38 @@ def explain_failures(model: nn.Module) -> Iterator[None]:
     except LayertapError:
         raise
     except Exception as exc:
-        found = locate(exc, model)
+        found = _locate(exc, model)
         if found is None:
             raise
         name, module, args, kwargs = found
         where = f"layer {name!r}" if name else "the model's own forward"
         cls = type(module).__name__
         raise LayerForwardError(
-            f"{where} ({cls}) raised {type(exc).__name__}: {exc}; its inputs: {describe_inputs(args, kwargs)}",
+            f"{where} ({cls}) raised {type(exc).__name__}: {exc}; its inputs: {_describe_inputs(args, kwargs)}",
             layer=name,
             module_type=cls,
         ) from exc
 
 
-__all__ = ["run_model", "place_model", "explain_failures", "locate", "describe_inputs"]
+@contextlib.contextmanager
+def running(model: nn.Module, *, grad: bool | None = False) -> Iterator[None]:
+    """Run ``model`` in the block: autograd off (``grad=False``, the default), on (``True``,
+    even under the caller's ``no_grad``) or as the caller has it (``None``); an exception from
+    inside the model is raised as `LayerForwardError` naming the layer (`explain_failures`).
+
+    With ``grad`` given, the mode the block began with is restored when it ends, even where a
+    hook changed it inside (CAM's turns autograd on at its first layer).
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> with running(model):
+    ...     out = run_model(model, torch.randn(3, 4))
+    >>> out.requires_grad
+    False
+    """
+    mode = contextlib.nullcontext() if grad is None else torch.set_grad_enabled(grad)
+    with explain_failures(model), mode:
+        yield
+
+
+__all__ = ["run_model", "place_model", "running", "explain_failures"]

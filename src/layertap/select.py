@@ -49,8 +49,9 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, TypeGuard, Union, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, NamedTuple, TypeGuard, Union, cast
 
 from torch import nn
 
@@ -108,10 +109,17 @@ class _Layer(NamedTuple):
 
 def _index(model: nn.Module) -> dict[str, _Layer]:
     """Every module but the wrappers, by canonical name, in ``named_modules()`` order."""
+    return _walk(model)[0]
+
+
+def _walk(model: nn.Module) -> tuple[dict[str, _Layer], tuple[nn.Module, ...]]:
+    """`_index`, and every module, wrappers included, in ``named_modules()`` order."""
     canonical: dict[str, str] = {}
     holds: dict[str, str | None] = {}  # raw name -> the child it wraps, for wrappers
     layers: dict[str, _Layer] = {}
+    every = []
     for raw, module in model.named_modules():  # parents come before their children
+        every.append(module)
         parent, _, last = raw.rpartition(".")
         if not raw:
             name = ""
@@ -123,7 +131,7 @@ def _index(model: nn.Module) -> dict[str, _Layer]:
         holds[raw] = wrapped_child(module)
         if holds[raw] is None:
             layers.setdefault(name, _Layer(module, raw, unescape(name) if "\\" in name else name))
-    return layers
+    return layers, tuple(every)
 
 
 def named_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -135,7 +143,7 @@ def named_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: layer.module for name, layer in _index(model).items()}
 
 
-def _aliases(index: dict[str, _Layer]) -> dict[str, str]:
+def _aliases(index: Mapping[str, _Layer]) -> dict[str, str]:
     names = {layer.raw: name for name, layer in index.items()}
     names.update((layer.plain, name) for name, layer in index.items() if layer.plain not in names)
     names.update((name, name) for name in index)  # a canonical name wins over an equal raw name
@@ -201,6 +209,10 @@ class OpName(NamedTuple):
     module: str
     op: str
     call: int | None  # the K of "#K"; None: every call
+
+    def on(self, module: str) -> str:
+        """The op's name with ``module`` (another name of its module) before it: ``"module.a:relu#2"``."""
+        return f"{module}:{self.op}" + (f"#{self.call}" if self.call is not None else "")
 
 
 def split_op(name: str) -> OpName | None:
@@ -306,25 +318,121 @@ def _op_pair(layers: object) -> bool:
     return isinstance(layers, tuple) and len(layers) == 2 and isinstance(layers[1], str) and not isinstance(layers[0], str)
 
 
-def select(model: nn.Module, layers: Layers) -> list[str]:
-    """Resolve ``layers`` to qualified module names, in ``model.named_modules()`` order.
+class Selection:
+    """Layers of one model resolved once: what `selection` returns, and what `layertap.tap` (and
+    every capability built on it) accepts as ``layers=`` without selecting or walking the model again.
 
-    Raises `LayerNotFoundError` (listing the closest names) if any spec matches nothing. An op
-    spec gives a name per matched module (``"layer1.0:add_"``); whether that module's forward
-    really calls the op is known only when it runs (see `layertap.tap`).
+    Immutable. ``names`` are the selected names in ``named_modules()`` order (op names after their
+    module's name, ``"MODULE:*"`` included), ``modules`` maps every selected module name and the
+    owner of each op to its module, ``ops`` maps each op name to its parsed `OpName` (``op`` is
+    ``"*"`` for ``"MODULE:*"``, whose ops are named as they run). It iterates over ``names``.
+    The model's index of named layers is made once, here; a module added to the model later is
+    not in it: select again.
 
-    >>> import torchvision, torch.nn as nn
-    >>> m = torchvision.models.resnet18()
-    >>> select(m, ["layer4", "**.0.bn?"])[:3]
-    ['layer1.0.bn1', 'layer1.0.bn2', 'layer2.0.bn1']
-    >>> len(select(m, nn.Conv2d))
-    20
-    >>> select(m, "layer1.*:add_")
-    ['layer1.0:add_', 'layer1.1:add_']
+    >>> import torchvision
+    >>> s = selection(torchvision.models.resnet18(), ["layer1.0.conv1", "layer1.*:add_"])
+    >>> s.names, s.ops["layer1.0:add_"]
+    (('layer1.0:add_', 'layer1.0.conv1', 'layer1.1:add_'), OpName(module='layer1.0', op='add_', call=None))
+    >>> type(s.modules["layer1.1"]).__name__, len(s)
+    ('BasicBlock', 3)
+    """
+
+    __slots__ = ("_aliases", "_index", "every", "model", "modules", "names", "ops")
+
+    model: nn.Module
+    names: tuple[str, ...]
+    modules: Mapping[str, nn.Module]
+    ops: Mapping[str, OpName]
+    every: tuple[nn.Module, ...]  # every module, wrappers included, in named_modules() order
+    _index: Mapping[str, _Layer]
+    _aliases: dict[str, tuple[str, ...]] | None
+
+    def __init__(
+        self, model: nn.Module, names: Sequence[str], ops: Mapping[str, OpName], walk: tuple[Mapping[str, _Layer], tuple[nn.Module, ...]]
+    ) -> None:
+        index, every = walk
+        init = object.__setattr__
+        init(self, "model", model)
+        init(self, "every", every)
+        init(self, "names", tuple(names))
+        init(self, "ops", MappingProxyType(dict(ops)))
+        owners = (ops[n].module if n in ops else n for n in self.names)
+        init(self, "modules", MappingProxyType({n: index[n].module for n in owners}))
+        init(self, "_index", index)
+        init(self, "_aliases", None)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Selection is immutable: select again to change {name!r}")
+
+    def __reduce__(self) -> tuple[Any, tuple[nn.Module, list[str]]]:
+        # pickled or copied by its names, each a spec that selects exactly itself
+        return selection, (self.model, list(self.names))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __repr__(self) -> str:
+        return f"<layertap.Selection of {type(self.model).__name__}: {len(self.names)} names {list(self.names[:4])}{'...' if len(self.names) > 4 else ''}>"
+
+    @property
+    def star(self) -> frozenset[str]:
+        """The modules selected as ``"MODULE:*"``: every op of theirs, named as they run."""
+        return frozenset(op.module for op in self.ops.values() if op.op == "*")
+
+    @property
+    def layers(self) -> Mapping[str, nn.Module]:
+        """Every module of the model by canonical name (wrappers hidden), as `named_layers` gives."""
+        return MappingProxyType({name: layer.module for name, layer in self._index.items()})
+
+    def aliases(self, module: str) -> tuple[str, ...]:
+        """Every name module ``module`` may be given by (canonical first, then unescaped, and as
+        ``named_modules()`` has it, wrapper segments included)."""
+        known = self._aliases
+        if known is None:
+            by_module: dict[str, list[str]] = {}
+            for alias, name in _aliases(self._index).items():
+                by_module.setdefault(name, []).append(alias)
+            known = {name: tuple(found) for name, found in by_module.items()}
+            object.__setattr__(self, "_aliases", known)
+        return known.get(module, (module,))
+
+    def select(self, layers: Layers | Selection) -> Selection:
+        """Another spec resolved on the same model, from the index made once (``copy=``, ``edit=``)."""
+        if isinstance(layers, Selection):
+            return _same_model(layers, self.model)
+        return _resolve(self.model, (self._index, self.every), layers)
+
+
+def _same_model(chosen: Selection, model: nn.Module) -> Selection:
+    if chosen.model is not model:
+        raise ArgumentError(
+            f"this Selection was made for another model ({type(chosen.model).__name__} at {id(chosen.model):#x}): "
+            "make it with selection(model, layers) for the model you tap"
+        )
+    return chosen
+
+
+def selection(model: nn.Module, layers: Layers | Selection) -> Selection:
+    """Resolve ``layers`` once, to a `Selection` (modules and parsed op sites) that `layertap.tap`
+    takes as ``layers=``. A `Selection` is returned as it is, if it is of ``model``.
+
+    Raises `LayerNotFoundError` (listing the closest names) if any spec matches nothing.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    index = _index(model)
+    if isinstance(layers, Selection):
+        return _same_model(layers, model)
+    return _resolve(model, _walk(model), layers)
+
+
+def _resolve(model: nn.Module, walk: tuple[Mapping[str, _Layer], tuple[nn.Module, ...]], layers: Layers) -> Selection:
+    index = walk[0]
     specs = _specs(layers)
     if not specs:
         raise ValueError("no layers given: pass a name, a glob, a regex, a class or a predicate")
@@ -362,21 +470,45 @@ def select(model: nn.Module, layers: Layers) -> list[str]:
         module_spec, op = op_spec
         for name in hits(module_spec):
             ops.setdefault(name, []).append(op)
-    out = []
+    out: list[str] = []
+    sites: dict[str, OpName] = {}
     for name in index:
         if name in chosen:
             out.append(name)
-        out.extend(f"{name}:{op}" for op in dict.fromkeys(ops.get(name, ())))
-    return out
+        for op in dict.fromkeys(ops.get(name, ())):
+            func, _, call = op.partition("#")
+            sites[f"{name}:{op}"] = OpName(name, func, int(call) if call else None)
+            out.append(f"{name}:{op}")
+    return Selection(model, out, sites, walk)
 
 
-def resolve(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
-    """Map already-selected canonical names to their modules."""
-    all_layers = named_layers(model)
-    return {name: all_layers[owner(name)] for name in names}
+def select(model: nn.Module, layers: Layers | Selection) -> list[str]:
+    """Resolve ``layers`` to qualified module names, in ``model.named_modules()`` order.
+
+    Raises `LayerNotFoundError` (listing the closest names) if any spec matches nothing. An op
+    spec gives a name per matched module (``"layer1.0:add_"``); whether that module's forward
+    really calls the op is known only when it runs (see `layertap.tap`). `selection` gives the
+    same names resolved once, with their modules and op sites.
+
+    >>> import torchvision, torch.nn as nn
+    >>> m = torchvision.models.resnet18()
+    >>> select(m, ["layer4", "**.0.bn?"])[:3]
+    ['layer1.0.bn1', 'layer1.0.bn2', 'layer2.0.bn1']
+    >>> len(select(m, nn.Conv2d))
+    20
+    >>> select(m, "layer1.*:add_")
+    ['layer1.0:add_', 'layer1.1:add_']
+    """
+    return list(selection(model, layers).names)
+
+
+def leaf_layers(model: nn.Module) -> list[str]:
+    """Every module without submodules (the default layers of `stats`); the model itself if none."""
+    leaves = [name for name, m in named_layers(model).items() if name and next(m.children(), None) is None]
+    return leaves or [""]
 
 
 __all__ = [
-    "select", "named_layers", "aliases", "wrapped_child", "resolve", "split_op", "owner", "escape", "unescape",
-    "OpName", "Spec", "Layers",
+    "select", "selection", "Selection", "leaf_layers", "named_layers", "aliases", "wrapped_child", "split_op", "owner",
+    "escape", "unescape", "OpName", "Spec", "Layers",
 ]

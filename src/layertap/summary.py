@@ -35,9 +35,9 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from . import nested
-from .loading import model_info
-from .runtime import explain_failures, place_model
-from .select import Layers, Spec, named_layers, owner, select, split_op, unescape
+from .modelinfo import model_info
+from .runtime import place_model, running
+from .select import Layers, Selection, Spec, owner, selection, split_op, unescape
 from .tables import Table
 from .tap import Inputs, tap
 from .units import human_bytes
@@ -260,13 +260,24 @@ def _batch_size(example: Any) -> int:
 
 
 def _every_op(modules: set[str]) -> list[Spec]:
-    """``"MODULE:*"`` for each of ``modules`` as one predicate spec (`select` walks the model for
-    each op spec's module: one spec per module would cost a walk each), and ``":*"`` for the
-    model's own ops, which no predicate matches."""
+    """``"MODULE:*"`` for each of ``modules`` as one predicate spec (each op spec's module is
+    matched against every layer: one spec per module would cost a pass each), and ``":*"`` for
+    the model's own ops, which no predicate matches."""
     specs: list[Spec] = [":*"] if "" in modules else []
     if modules - {""}:
         specs.append((lambda name, _module: name in modules, "*"))
     return specs
+
+
+def _tapped(model: nn.Module, layers: Layers | None, ops: bool) -> Selection:
+    """What `summary` taps, resolved from one walk of the model: ``layers`` (default: every module),
+    and with ``ops`` every op of each module among them."""
+    chosen = selection(model, "" if layers is None else layers)
+    if layers is None and len(chosen.layers) > 1:  # the root is selected by its name only; nn.Module matches every other layer
+        chosen = chosen.select(["", nn.Module])
+    if ops:  # every op of each module listed, named "MODULE:OP#K" as it runs
+        chosen = chosen.select([*chosen.names, *_every_op({name for name in chosen.names if name not in chosen.ops})])
+    return chosen
 
 
 def _op_names(ran: list[str]) -> dict[str, str]:
@@ -320,14 +331,9 @@ def summary(
         raise ValueError(f"depth must be >= 0, got {depth}")
     if not example_inputs and not example_kwargs:
         example_inputs = (model_info(model).example().to(place_model(model, None)),)
-    all_layers = named_layers(model)
-    if layers is None:  # the root is selected by its name only; nn.Module matches every other layer
-        layers = ["", nn.Module] if len(all_layers) > 1 else ""
+    chosen = _tapped(model, layers, ops)
+    all_layers = chosen.layers
     batch = _batch_size((example_inputs, example_kwargs))
-    selected = select(model, layers)
-    specs: list[Spec] = list(selected)
-    if ops:  # every op of each module listed, named "MODULE:OP#K" as it runs
-        specs += _every_op({name for name in selected if split_op(name) is None})
 
     inputs: dict[str, Any] = {}  # name -> the structure of its last call's input
     outputs: dict[str, tuple[Any, str, int]] = {}  # name -> its last output's structure, dtypes, bytes
@@ -343,8 +349,8 @@ def summary(
         calls[name] = call + 1
 
     # detach=False: under no_grad there is no graph to drop, and the hook makes no tensor
-    tapped = tap(model, specs, capture=("input", "output"), detach=False, observe=observe)
-    with explain_failures(model), _eval_mode(model), torch.no_grad(), tapped:
+    tapped = tap(model, chosen, capture=("input", "output"), detach=False, observe=observe)
+    with running(model), _eval_mode(model), tapped:
         model(*example_inputs, **example_kwargs)
 
     ran = tapped.order

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import ArgumentError
 from ..shapes.data import generate, preprocess
 from ..shapes.model import load_shapes_model
-from . import core as cam
+from .methods import METHODS
 
 __all__ = ["EVAL_SEED", "peaks", "pointing_game", "pointing_hits", "pointing_scores"]
 
@@ -105,15 +105,15 @@ def pointing_scores(
     Returns:
         ``{method: share of hits}``, in the order of ``methods``.
     """
-    names = list(cam.METHODS if methods is None else methods)
-    unknown = [m for m in names if m not in cam.METHODS]
+    names = list(METHODS if methods is None else methods)
+    unknown = [m for m in names if m not in METHODS]
     if unknown:
-        raise ArgumentError(f"unknown CAM methods {unknown}; choose from {list(cam.METHODS)}")
+        raise ArgumentError(f"unknown CAM methods {unknown}; choose from {list(METHODS)}")
     model = load_shapes_model() if model is None else model
     batch = generate(n, seed=seed)
     scores = {}
     for name in names:
-        explainer = cam.METHODS[name](model, layer)
+        explainer = METHODS[name](model, layer)
         hits = [
             pointing_hits(
                 explainer(preprocess(batch.images[i : i + batch_size]), batch.labels[i : i + batch_size].tolist()),

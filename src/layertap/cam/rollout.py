@@ -34,9 +34,11 @@ from torch import nn
 
 from ..attention import attention
 from ..errors import ArgumentError, LayerNotRunError, LayertapError, LayoutError
-from ..runtime import explain_failures, run_model
+from ..runtime import run_model, running
 from ..select import Layers
-from .core import Layout, Targets, infer_layout, normalize, pick_logits, upsample
+from .base import HeatmapMethod, normalize, upsample
+from .layout import MapLayout, infer_layout
+from .targets import Targets, pick_logits
 
 HeadFusion = Literal["mean", "max", "min"]
 HEAD_FUSIONS: tuple[str, ...] = ("mean", "max", "min")
@@ -92,7 +94,7 @@ def attention_rollout(
     return result
 
 
-class AttentionRollout:
+class AttentionRollout(HeatmapMethod):
     """Attention rollout heatmaps with the calling convention of `layertap.cam.GradCAM`.
 
     Args:
@@ -111,6 +113,8 @@ class AttentionRollout:
     model's scores when its output has them (else ``None``) and `target_classes` is ``None``.
     """
 
+    _where = "layertap.rollout"  # as users reach it: the attribute of the package
+
     def __init__(
         self,
         model: nn.Module,
@@ -122,30 +126,19 @@ class AttentionRollout:
         prefix_tokens: int | None = None,
     ) -> None:
         _check(head_fusion, discard_ratio)
-        self.model = model
-        self._spec = layers
+        super().__init__(model, layers, grid=grid, prefix_tokens=prefix_tokens)
         self.head_fusion = head_fusion
         self.discard_ratio = discard_ratio
-        self.grid = grid
-        self.prefix_tokens = prefix_tokens
-        self.layers: list[str] | None = None
-        self.layout: Layout | None = None
+        self.layout: MapLayout | None = None
         self.rollout: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
-        self.target_classes: list[int] | None = None
 
-    def __repr__(self) -> str:
-        layers = "chosen at the first call" if self.layers is None else self.layers
-        return f"<layertap.rollout.AttentionRollout head_fusion={self.head_fusion!r} layers={layers}>"
+    def _options(self) -> str:
+        return f" head_fusion={self.head_fusion!r}"
 
     def __call__(self, inputs: torch.Tensor, targets: Targets = None) -> torch.Tensor:
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 3:
-            raise ArgumentError(
-                f"inputs must be one tensor [batch, channels, *spatial] (e.g. [B, 3, H, W]); got "
-                f"{list(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__}"
-            )
+        self._check_inputs(inputs)
         size = tuple(inputs.shape[2:])
-        with explain_failures(self.model), torch.no_grad():
+        with running(self.model):
             with attention(self.model, self._spec, heads="all") as att:
                 output = run_model(self.model, inputs)
         try:

@@ -24,7 +24,7 @@ from types import FrameType
 
 from ..errors import MissingExtraError
 
-Runner = Callable[[list[str] | None], int]
+_Runner = Callable[[list[str] | None], int]
 
 
 def _without_extra(missing: str, argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def _without_extra(missing: str, argv: list[str] | None = None) -> int:
     return 1
 
 
-def _runner() -> Runner:
+def _runner() -> _Runner:
     """`layertap.cli.core.run` with every command registered, or `_without_extra` without the extra."""
     try:
         # the commands register themselves on the app of `core` when imported

@@ -6,16 +6,19 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from ..cam import HeatmapMethod
 from ..errors import SKIP_HINT, DataError, LayertapError
 from ..images import LIMIT_HINT, find_images, load_image, model_view
-from ..loading import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, load_model, model_info
+from ..loading import load_model
+from ..modelinfo import IMAGENET_MEAN, IMAGENET_STD, ImageTransform, ModelInfo, model_info
 from ..overlay import colorize, overlay
 from ..runtime import place_model
 from .core import app, echo, own_allocator, typer
@@ -149,16 +152,7 @@ def cam(
     net = load_model(model, arch=arch, trust=trust)
     where = place_model(net, device)
     info = model_info(net)
-    transform = info.transform
-    assert transform is not None  # ModelInfo.__post_init__ fills in the default
-    if size is not None or mean_values is not None or std_values is not None:
-        # what is not overridden keeps the weights' statistics when the transform tells them
-        transform = ImageTransform(
-            (info.input_size[0], *(size or info.input_size[1:])),
-            tuple(mean_values or getattr(transform, "mean", None) or IMAGENET_MEAN),
-            tuple(std_values or getattr(transform, "std", None) or IMAGENET_STD),
-            crop=getattr(transform, "crop", True),
-        )
+    transform = _preprocessing(info, cast("tuple[int, int] | None", size), mean_values, std_values)  # parse_shape's
     class_index = _target(target, info.classes)
     found = [find_images(path) for path in images]
     paths = [p for f in found for p in f.paths]
@@ -181,21 +175,47 @@ def cam(
                 pictures = [load_image(paths[i], max_image_pixels) for i in chunk]
             inputs = torch.stack([transform(p) for p in pictures])
             maps = explainer(inputs.to(where), class_index)
-            assert explainer.logits is not None  # set by the call above
-            probs = explainer.logits.float().softmax(-1).cpu()
             for k, i in enumerate(chunk):
                 heat = maps[k].cpu()
                 np.save(Path(staging, f"{names[i]}.npy"), heat.numpy())
                 # drawn on the picture as the model got it (resized, cropped): the map's own frame
                 overlay(model_view(pictures[k], transform), heat, alpha, colormap).save(Path(staging, f"{names[i]}.png"))
-                top = int(probs[k].argmax())
-                label = info.classes[top] if info.classes and top < len(info.classes) else str(top)
-                explained = explainer.target_classes[k] if explainer.target_classes else top
-                what = "" if explained == top else f", explained class {explained}"
-                lines.append(f"{ids[i]}: {label} ({float(probs[k, top]):.2f}){what} -> {out / names[i]}.png")
+                lines.append(f"{ids[i]}: {_prediction(explainer, k, info.classes)} -> {out / names[i]}.png")
         out.mkdir(exist_ok=True)
         for name in os.listdir(staging):
             os.replace(Path(staging, name), out / name)  # a rename: the same file system
     for line in lines:  # one per image: an id or class name with a line break cannot make a second
         echo(line)
     echo(f"layer: {', '.join(explainer.layers or [])}; method: {method}; {len(paths)} heatmaps in {out}")
+
+
+def _preprocessing(
+    info: ModelInfo,
+    size: tuple[int, int] | None,
+    mean: tuple[float, ...] | None,
+    std: tuple[float, ...] | None,
+) -> Callable[[Any], torch.Tensor]:
+    """The model's preprocessing, with ``--size``/``--mean``/``--std`` in place of its own."""
+    transform = info.transform
+    assert transform is not None  # ModelInfo.__post_init__ fills in the default
+    if size is None and mean is None and std is None:
+        return transform
+    # what is not overridden keeps the weights' statistics when the transform tells them
+    height, width = size or info.input_size[1:]
+    return ImageTransform(
+        (info.input_size[0], height, width),
+        tuple(mean or getattr(transform, "mean", None) or IMAGENET_MEAN),
+        tuple(std or getattr(transform, "std", None) or IMAGENET_STD),
+        crop=getattr(transform, "crop", True),
+    )
+
+
+def _prediction(explainer: HeatmapMethod, k: int, classes: list[str] | None) -> str:
+    """Image ``k``'s predicted class (its name, when known) and probability, and the class explained if another."""
+    assert explainer.logits is not None  # set by the call that made the maps
+    probs = explainer.logits[k].float().softmax(-1).cpu()
+    top = int(probs.argmax())
+    label = classes[top] if classes and top < len(classes) else str(top)
+    explained = explainer.target_classes[k] if explainer.target_classes else top
+    what = "" if explained == top else f", explained class {explained}"
+    return f"{label} ({float(probs[top]):.2f}){what}"

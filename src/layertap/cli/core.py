@@ -35,7 +35,7 @@ app = typer.Typer(
     "cam and report tune it to keep freed memory for the next forward (a resnet50 forward on the CPU: about 15% faster).",
 )
 
-ALLOCATOR_ENV = "LAYERTAP_ALLOCATOR"
+_ALLOCATOR_ENV = "LAYERTAP_ALLOCATOR"
 
 _debug = False
 
@@ -65,11 +65,11 @@ def echo(text: str, keep: str = "") -> None:
 def own_allocator() -> allocator.AllocatorTuning | None:
     """Tune the C allocator for this process, which the command owns (`layertap.allocator`),
     unless ``LAYERTAP_ALLOCATOR=default``; ``tuned`` (or unset) tunes, anything else is a usage error."""
-    choice = os.environ.get(ALLOCATOR_ENV, "").strip().lower() or "tuned"
+    choice = os.environ.get(_ALLOCATOR_ENV, "").strip().lower() or "tuned"
     if choice == "default":
         return None
     if choice != "tuned":
-        raise click.UsageError(f"{ALLOCATOR_ENV}={os.environ[ALLOCATOR_ENV]!r}: give 'default' (glibc as it comes) or 'tuned'")
+        raise click.UsageError(f"{_ALLOCATOR_ENV}={os.environ[_ALLOCATOR_ENV]!r}: give 'default' (glibc as it comes) or 'tuned'")
     return allocator.tune_allocator()
 
 

@@ -11,13 +11,14 @@ from ..data import OnError
 from ..distributed import launched
 from ..extract import Verify, extract_dataset
 from ..loading import load_model
-from ..store import FORMATS, Location, location, url_fs
+from ..store.backends import FORMATS
+from ..store.paths import Location, location, url_fs
 from ..tap.controls import REDUCTIONS
 from ..units import human_bytes
 from .core import app, echo, own_allocator, typer
 from .options import arch_option, model_argument, trust_option
 
-DTYPES = ("float32", "float16", "float64")
+_DTYPES = ("float32", "float16", "float64")
 
 
 def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
@@ -51,7 +52,7 @@ def extract(
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Inputs per forward."),
     workers: int | None = typer.Option(None, "--workers", min=0, help="Processes reading images (default: a few)."),
     device: str | None = typer.Option(None, "--device", help="Run on this device, e.g. cuda or cuda:1 (default: cpu)."),
-    dtype: str | None = typer.Option(None, "--dtype", help=f"Store features as {', '.join(DTYPES)}."),
+    dtype: str | None = typer.Option(None, "--dtype", help=f"Store features as {', '.join(_DTYPES)}."),
     on_error: str = typer.Option("fail", "--on-error", help="An unreadable image: fail (stop, naming it) or skip (record it)."),
     overwrite: bool = typer.Option(
         False,
@@ -85,7 +86,7 @@ def extract(
     own_allocator()
     _choice(reduce, REDUCTIONS, "--reduce")
     _choice(format, FORMATS, "--format")
-    _choice(dtype, DTYPES, "--dtype")
+    _choice(dtype, _DTYPES, "--dtype")
     _choice(on_error, ("fail", "skip"), "--on-error")
     _choice(verify, ("close", "exact", "off"), "--verify")
     net = load_model(model, arch=arch, trust=trust)

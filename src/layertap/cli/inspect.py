@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import cast
 
 from ..errors import ModelLoadError
-from ..loading import DEFAULT_SPEC, load_model, model_info, spec_kind
+from ..loading import DEFAULT_SPEC, load_model, spec_kind
+from ..modelinfo import model_info
 from ..summary import summary
 from .core import app, echo, typer
 from .options import arch_option, model_argument, parse_shape, trust_option

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cam import METHODS
+from ..cam import METHODS, HeatmapMethod
 from ..cam.rollout import AttentionRollout
 from ..errors import ModelLoadError
 from ..loading import spec_kind
 from .core import typer
 
 # the Grad-CAM family and attention rollout: every one is built as HEATMAPS[name](model, layers)
-HEATMAPS: dict[str, Any] = {**METHODS, "rollout": AttentionRollout}
+HEATMAPS: dict[str, type[HeatmapMethod]] = {**METHODS, "rollout": AttentionRollout}
 
 SPEC_HELP = (
     "Model spec: torchvision:NAME[:WEIGHTS], timm:NAME[:pretrained], hf:PATH_OR_NAME, PATH.pt (a state dict, "

@@ -10,7 +10,7 @@ from ..loading import load_model
 from ..report import build_report
 from ..report.context import MAX_LAYERS, MAX_POINTS
 from ..report.projection import PROJECTIONS
-from ..store import is_url, location
+from ..store.paths import is_url, location
 from .core import app, echo, own_allocator, typer
 from .options import TRUST_HELP, arch_option, check_method, check_spec, trust_option
 

@@ -125,14 +125,7 @@ class _Hasher:
             self.digest = outer
 
     def value(self, obj: Any, depth: int = 0) -> None:
-        if isinstance(obj, _PLAIN):
-            self.feed(type(obj).__name__, obj if isinstance(obj, bytes) else repr(obj))
-            return
-        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format, enum.Enum)):
-            self.feed(type(obj).__name__, obj)
-            return
-        if isinstance(obj, torch.device):  # every process has its own: only the kind counts
-            self.feed("device", obj.type)
+        if self.atom(obj):
             return
         if depth > MAX_DEPTH:
             self.feed("deep", _name(type(obj)))
@@ -143,6 +136,24 @@ class _Hasher:
         self.seen[id(obj)] = len(self.seen)
         self.alive.append(obj)
         depth += 1
+        # the kinds in turn, the first that takes it wins (a Parameter is a tensor, ...)
+        if not (self.data(obj, depth) or self.collection(obj, depth)):
+            self.other(obj, depth)
+
+    def atom(self, obj: Any) -> bool:
+        """Feed a value known by what it is, never met again by reference; whether it was one."""
+        if isinstance(obj, _PLAIN):
+            self.feed(type(obj).__name__, obj if isinstance(obj, bytes) else repr(obj))
+        elif isinstance(obj, (torch.dtype, torch.layout, torch.memory_format, enum.Enum)):
+            self.feed(type(obj).__name__, obj)
+        elif isinstance(obj, torch.device):  # every process has its own: only the kind counts
+            self.feed("device", obj.type)
+        else:
+            return False
+        return True
+
+    def data(self, obj: Any, depth: int) -> bool:
+        """Feed tensors, arrays and random states; whether ``obj`` was one."""
         # a lazy module's tensors have no shape and no values yet: their kind
         if isinstance(obj, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer)):
             self.feed("uninitialized", _name(type(obj)))
@@ -167,7 +178,13 @@ class _Hasher:
                 self.feed("array", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).reshape(-1).view(np.uint8).data)
         elif isinstance(obj, np.generic):
             self.feed("scalar", obj.dtype.str, obj.tobytes())
-        elif isinstance(obj, (list, tuple)):
+        else:
+            return False
+        return True
+
+    def collection(self, obj: Any, depth: int) -> bool:
+        """Feed a list, tuple, dict or set, item by item; whether ``obj`` was one."""
+        if isinstance(obj, (list, tuple)):
             self.feed(type(obj).__name__, len(obj))
             for item in obj:
                 self.value(item, depth)
@@ -178,7 +195,13 @@ class _Hasher:
                 self.value(item, depth)
         elif isinstance(obj, (set, frozenset)):  # their order changes with the process's hash seed
             self.feed(type(obj).__name__, *sorted(code_fingerprint(item) for item in obj))
-        elif isinstance(obj, nn.Module):
+        else:
+            return False
+        return True
+
+    def other(self, obj: Any, depth: int) -> None:
+        """Feed modules, code and callables, classes, and any other object by its attributes."""
+        if isinstance(obj, nn.Module):
             self.module(obj, depth)
         elif isinstance(obj, types.FunctionType):
             self.function(obj, depth)

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError, StoreError
-from ..extract import model_fingerprint
+from ..extract.digests import model_fingerprint
 from ..images import load_image
-from ..loading import load_model, model_info, spec_kind
+from ..loading import load_model, spec_kind
+from ..modelinfo import model_info
 from ..store import FeatureStore
 from ..summary import LayerTable, summary
 from .render import plain_list

@@ -13,13 +13,14 @@ import torch
 from .. import cam
 from ..data import ImageFiles
 from ..images import load_image, to_original
-from ..loading import model_info
+from ..modelinfo import model_info
 from ..overlay import overlay
 from ..runtime import place_model
 from ..select import named_layers
-from ..stats import LayerStats, StatsTable, summarize
+from ..stats import LayerStats, StatsTable
 from ..stats import stats as activation_stats
 from ..tables import Html, Table
+from ..tensorstats import tensor_stats
 from ..units import human_bytes
 from .context import Context, Unavailable, blocks, left_out, spread, vectors
 from .probe import linear_probe
@@ -289,7 +290,7 @@ def stored_stats(ctx: Context) -> StatsTable:
     for key in ctx.store:
         total = None
         for block in blocks(ctx.store[key], ctx.sample):
-            part = summarize(torch.from_numpy(np.ascontiguousarray(block)).float(), HISTOGRAM_BINS)
+            part = tensor_stats(torch.from_numpy(np.ascontiguousarray(block)).float(), HISTOGRAM_BINS)
             if part is not None:
                 total = part if total is None else total.merge(part)
         if total is not None:

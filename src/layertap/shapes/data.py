@@ -287,6 +287,20 @@ def _to_array(image: Any) -> np.ndarray:
     return np.asarray(image)
 
 
+
+# a class, not a closure, so that a loaded model (which carries it in its info) still pickles
+@dataclass(frozen=True)
+class ShapesTransform:
+    """The bundled model's own preprocessing, after resizing to the 64x64 it was trained on."""
+
+    size: tuple[int, int]  # (width, height)
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        image = image.convert("RGB")
+        if image.size != self.size:
+            image = image.resize(self.size)
+        return preprocess(image)[0]
+
 class ShapesDataset(Dataset):
     """``torch`` dataset of generated shapes returning ``(image_tensor, label)``.
 

@@ -1,28 +1,39 @@
-"""Feature stores: Zarr, HDF5 and NumPy folders of per-sample rows, written once, read many times."""
-# ruff: noqa: F401  (transitional: names the other packages import, until they import the submodules)
+"""Feature stores on disk: Zarr (default), HDF5 or NumPy files, written chunk by chunk, read lazily.
+
+A store holds one array per tapped layer (``[samples, *feature shape]``), the samples' ids and
+labels, one completion marker per chunk of samples, and metadata. It is written once, chunk by
+chunk, by one extraction at a time (several processes for Zarr and NumPy), and read many times.
+
+The package, from the bottom up (each file imports only those above it):
+
+- `format`: what a store holds and its names: array names and keys (`safe_name`,
+  `array_specs`), the plan of a new store (`StorePlan`), what a chunk's marker records, how
+  arrays are chunked and filled, and the one codec;
+- `paths`: where a store is (a local path or an fsspec URL: `Location`), what leads out of it,
+  and what in its folder layertap did not write;
+- `backends`: Zarr, HDF5 and NumPy, one class each of primitive reads and writes, each declaring
+  its suffixes, the package it needs and how many writers it takes (`format_for`,
+  `detect_format`, `format_package`, `check_writers`): adding a format is one class there;
+- `trust`: the trust boundary: a store is data, never code; `_open_backend` opens one only
+  checked, and refuses a damaged or crafted one in one line;
+- `lock`: one writer per store (`StoreLock`), taken over from a killed holder at once;
+- `writer`: `StoreWriter`, which writes whole chunks and marks each after its data is on disk;
+- `lifecycle`: `open_or_create`, the only way in for a writer (lock, then resume, refuse,
+  replace or create), and `remove_store`, which deletes only what layertap wrote;
+- `reader`: `open_features` and `FeatureStore`, the read-only side.
+
+>>> import os, tempfile, torch, torchvision, layertap
+>>> model = torchvision.models.resnet18()
+>>> images = torch.randn(8, 3, 64, 64)
+>>> out = os.path.join(tempfile.mkdtemp(), "features.zarr")
+>>> store = layertap.extract_dataset(model, images, "avgpool", out, progress=False)
+>>> feats = layertap.open_features(out)
+>>> feats["avgpool"].shape, feats.ids[:3].tolist()
+((8, 512, 1, 1), [0, 1, 2])
+"""
 
 from ..errors import StoreError
-from .core import (
-    FORMATS,
-    ArraySpec,
-    FeatureStore,
-    Layout,
-    Location,
-    StoreLock,
-    StoreWriter,
-    array_key,
-    array_specs,
-    detect_format,
-    fill_value,
-    format_for,
-    is_url,
-    location,
-    open_features,
-    open_or_create,
-    remove_store,
-    safe_name,
-    settings_differences,
-    url_fs,
-)
+from . import backends, format, lifecycle, lock, paths, reader, trust, writer  # noqa: F401  (every part loaded with the package)
+from .reader import FeatureStore, open_features
 
 __all__ = ["open_features", "FeatureStore", "StoreError"]

@@ -1,8 +1,23 @@
 """The tap: hooks on chosen layers that capture outputs, inputs and gradients, then go away.
 
-See `layertap.tap.core` for how values are kept correct and cheap.
+Where each part lives (each file's docstring says how its mechanism works):
+
+- ``core.py``: `Tap` (checks the options, resolves the layers once, owns the hooks' lifetime and
+  runs the hook bodies) and `tap`, which makes it;
+- ``options.py``: what `tap` is given (kinds, keep policies) and the checks of the options together;
+- ``controls.py``: ``detach``, ``reduce``, ``dtype`` and ``to``, applied to each tensor in the hook;
+- ``kept.py``: the keep policy's stores, the DataParallel replicas' parts, the views that read them;
+- ``inplace.py``: which values a later in-place op changes (learned, shared by taps), version guards;
+- ``copies.py``: the tap's side of the copy pool: its forwards, its copies, the values it drops;
+- ``pool.py``: the copy pool: the copies' memory per device, kept from one tap to the next,
+  bounded, handed back only once the values are dropped, written with streaming stores;
+- ``grads.py``: gradients, hooked on tensors that carry only one edge of a layer;
+- ``ops.py``: op taps through a ``TorchFunctionMode``, and the thread-local in-hook count;
+- ``compiled.py``: compiled modules run eagerly while tapped.
 """
 
-from .core import KINDS, Inputs, Kind, Tap, op_name, tap
+from .core import Inputs, Tap, tap
+from .ops import op_name
+from .options import KINDS, Kind
 
 __all__ = ["tap", "Tap", "Inputs", "Kind", "KINDS", "op_name"]

@@ -1,0 +1,38 @@
+"""Compiled modules run eagerly while tapped: a graph compiled before the hooks would skip them."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+
+from torch import nn
+
+from ..select import wrapped_child
+
+
+@contextlib.contextmanager
+def eager(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run compiled (sub)modules eagerly while tapped (``modules``: every module of the model).
+
+    A graph compiled before the hooks existed would skip them silently (pytorch#117758), so the
+    tap routes ``torch.compile``'d modules back to their original module and turns off
+    ``Module.compile()``'s compiled call for its lifetime. Everything is restored afterwards.
+    """
+    undo: list[Callable[[], None]] = []
+    try:
+        for module in modules:
+            state = module.__dict__
+            # the cheap test first: this runs over every module at each entry of the tap
+            if "_orig_mod" in state["_modules"] and wrapped_child(module) == "_orig_mod" and "forward" in state:
+                old_forward = state["forward"]
+                module.forward = module._orig_mod.__call__  # type: ignore[operator]  # an nn.Module, as the wrapper check says
+                undo.append(functools.partial(setattr, module, "forward", old_forward))
+            if state.get("_compiled_call_impl") is not None:
+                old_call = state["_compiled_call_impl"]
+                module._compiled_call_impl = None
+                undo.append(functools.partial(setattr, module, "_compiled_call_impl", old_call))
+        yield
+    finally:
+        for fn in reversed(undo):
+            fn()

@@ -1,0 +1,244 @@
+"""Op taps: the torch functions a module's own ``forward`` calls, seen through a ``TorchFunctionMode``.
+
+Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.select`):
+
+- Module hooks see only what crosses a module's boundary; the residual sum, an ``F.relu`` or
+  the attention probabilities are plain function calls inside ``forward``. For every module with
+  a tapped op, the tap wraps that module's ``forward`` (and hooks its descendants) for its
+  lifetime; while such a forward runs, a ``TorchFunctionMode`` sees each
+  torch function it calls. An op belongs to the innermost module whose ``forward`` called it:
+  ops inside a child's call (its hooks included, and layertap's own hooks with the ``observe``/
+  ``edit`` functions they call) are not the parent's. Only a hook added to a child after the tap
+  started, or a global module hook, runs outside that and counts for the parent. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
+- Cost: nothing for modules without op taps, whose forwards are untouched. Inside a wrapped
+  forward every torch function call passes through one Python function (a few microseconds);
+  only the tapped ops do more. Everything is restored when the tap ends, on exceptions too.
+- An op's output, inputs (the tensor for an op on one tensor, else ``Inputs(args, kwargs)``),
+  ``grad``, ``grad_input``, ``edit`` and ``stop_early`` work as for modules, with the same
+  in-place guarantee: ``add_`` is captured before a later ``relu_`` changes it.
+- Every layertap hook runs inside `hidden`, which counts, per thread, the hooks running: what a
+  hook computes is not an op of the module whose forward it runs in. The count is thread-local:
+  ``nn.DataParallel`` runs each replica's hooks in a thread of its own, and a count shared by
+  threads could lose an update (``x += 1`` is not atomic), after which no op tap in the process
+  would see anything, silently.
+
+`OpTaps` holds the sites (module -> op -> tap names), the running frames, the mode and what each
+module was seen calling; it finds which tapped names a call hits and hands the call to the tap's
+op hook (`layertap.tap.core`), which captures it as a module hook would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from .. import nested
+from ..errors import LayerNotFoundError
+from ..select import OpName
+
+# Python operators reach a mode under their dunder names; the tap names them as torch does
+_OPERATORS = {
+    "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "and": "bitwise_and",
+    "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not", "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift",
+}  # fmt: skip
+_OP_NAMES: dict[Any, str] = {}
+
+
+class _Hooks(threading.local):
+    """> 0 while a layertap hook (and the observe=/edit= it calls) runs in this thread: a child's
+    hooks run inside its parent's forward, and what they compute is not the parent's op."""
+
+    running = 0
+
+
+_HOOKS = _Hooks()
+
+
+def hidden(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, with the torch calls it makes hidden from op taps (in the thread that runs it)."""
+    hooks = _HOOKS
+
+    def run(*args: Any) -> Any:
+        hooks.running += 1
+        try:
+            return hook(*args)
+        finally:
+            hooks.running -= 1
+
+    return run
+
+
+def op_name(func: Any) -> str:
+    """The name an op spec uses for a torch function: ``torch.Tensor.__iadd__`` is ``add_``,
+    ``Tensor.__rsub__`` is ``rsub``, ``x.mT`` is ``mT``, ``F.softmax`` is ``softmax``."""
+    try:
+        return _OP_NAMES[func]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(func, "__name__", "") or type(func).__name__
+    if name == "__get__":  # a property such as x.mT
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    elif name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        inplace = core.startswith("i") and core[1:] in ("add", "sub", "mul", "matmul", "pow", *_OPERATORS)
+        if inplace or (core.startswith("r") and core[1:] in ("add", "mul", "matmul", "pow", *_OPERATORS)):
+            core = core[1:]
+        name = _OPERATORS.get(core, core) + ("_" if inplace else "")
+    with contextlib.suppress(TypeError):
+        _OP_NAMES[func] = name
+    return name
+
+
+def returns_tensor(out: Any) -> bool:
+    """Whether an op's result holds a tensor (``size()``, ``dim()``, ``shape`` have nothing to tap)."""
+    return isinstance(out, torch.Tensor) or nested.first_tensor(out) is not None
+
+
+class _Frame:
+    """One running forward of a module with tapped ops: its ops' call counts so far."""
+
+    __slots__ = ("counts", "module", "sites", "star")
+
+    def __init__(self, module: str, sites: dict[str, list[tuple[str, int | None]]], star: bool) -> None:
+        self.module = module
+        self.sites = sites  # op -> [(tap name, the K of "#K" or None)]
+        self.star = star  # "module:*": every op
+        self.counts: dict[str, int] = {}
+
+
+class _OpMode(TorchFunctionMode):
+    """Hands every torch function call to the tap; on the mode stack only inside a wrapped forward."""
+
+    def __init__(self, on_op: Callable[..., Any]) -> None:
+        super().__init__()
+        self.on_op = on_op
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.on_op(func, args, kwargs or {})
+
+
+# the tap's op hook: (module name, tap names hit, this call's site if the module is tapped whole
+# ("module:*"), saw(result) -> whether it holds a tensor (and notes it), func, args, kwargs) -> the
+# op's result, captured
+OpHook = Callable[[str, list[str], "OpName | None", Callable[[Any], bool], Any, tuple, dict], Any]
+
+
+class OpTaps:
+    """The ops a tap watches: per module the ops tapped or edited, and the modules tapped whole (``"MODULE:*"``)."""
+
+    def __init__(self, sites: Mapping[str, OpName], star: Iterable[str], modules: Mapping[str, nn.Module], hook: OpHook) -> None:
+        # module name -> op -> [(tap name, the K of "#K" or None)]: tapped and edited ops
+        self.sites: dict[str, dict[str, list[tuple[str, int | None]]]] = {}
+        for name, op in sites.items():
+            self.sites.setdefault(op.module, {}).setdefault(op.op, []).append((name, op.call))
+        self.star = set(star)
+        self._modules = modules
+        self._hook = hook
+        self.frames: list[_Frame | None] = []
+        self._mode = _OpMode(self.on_op)
+        # module name -> op -> most calls in one forward, for every op that returned a tensor
+        self.seen: dict[str, dict[str, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.sites or self.star)
+
+    def register(self, handles: list[RemovableHandle], restore: contextlib.ExitStack) -> None:
+        """Frame the forwards of the modules with tapped ops (undone by ``handles`` and ``restore``)."""
+        # every module with tapped ops runs its forward in its own frame; around the whole call of
+        # it and of each of its descendants (their hooks included) a blind frame hides their ops
+        # from the module that called them
+        sited = list(dict.fromkeys([*self.sites, *sorted(self.star)]))
+        framed = {id(m): m for site in sited for m in self._modules[site].modules()}
+        frames = self.frames
+
+        def blind(module: nn.Module, args: tuple) -> None:
+            if frames:
+                frames.append(None)
+
+        def see(module: nn.Module, args: tuple, output: Any) -> None:
+            if frames:
+                frames.pop()
+
+        for module in framed.values():
+            handles.append(module.register_forward_pre_hook(blind, prepend=True))
+            handles.append(module.register_forward_hook(see, always_call=True))
+        for site in sited:
+            self._frame_forward(self._modules[site], site, restore)
+
+    def _frame_forward(self, module: nn.Module, name: str, restore: contextlib.ExitStack) -> None:
+        """Run ``module``'s own forward (not its hooks) in a frame in which its ops are seen."""
+        frames, mode = self.frames, self._mode
+        sites, star, seen = self.sites.get(name, {}), name in self.star, self.seen
+        inner = module.forward
+        own = module.__dict__.get("forward")
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            depth = len(frames)
+            seen.setdefault(name, {})
+            frames.append(_Frame(name, sites, star))
+            if not depth:
+                mode.__enter__()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                del frames[depth:]  # also the blind frames of a child a KeyboardInterrupt cut short
+                if not depth:
+                    mode.__exit__(None, None, None)
+
+        module.forward = forward  # restored when the tap ends
+        if own is None:
+            restore.callback(module.__dict__.pop, "forward", None)
+        else:
+            restore.callback(setattr, module, "forward", own)
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """One torch function call inside a wrapped forward (the mode is off while this runs)."""
+        frame = self.frames[-1]
+        if frame is None or _HOOKS.running:  # inside a descendant's forward or a hook: not this module's op
+            return func(*args, **kwargs)
+        op = op_name(func)
+        count = frame.counts[op] = frame.counts.get(op, 0) + 1
+        hits = [name for name, call in frame.sites.get(op, ()) if call is None or call == count]
+        if not hits and not frame.star:
+            out = func(*args, **kwargs)
+            self._saw(frame.module, op, count, out)
+            return out
+        star = OpName(frame.module, op, count) if frame.star else None
+        saw = functools.partial(self._saw, frame.module, op, count)
+        return self._hook(frame.module, hits, star, saw, func, args, kwargs)
+
+    def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
+        """Note an op of ``module`` that returned a tensor (for discovery and errors)."""
+        if not returns_tensor(out):
+            return False
+        seen = self.seen[module]
+        if seen.get(op, 0) < count:
+            seen[op] = count
+        return True
+
+    def check(self, op: OpName | None) -> None:
+        """Raise `LayerNotFoundError` for an op its module ran without calling."""
+        seen = self.seen.get(op.module) if op is not None else None
+        if op is None or seen is None or seen.get(op.op, 0) >= (op.call or 1):
+            return
+        module = self._modules[op.module]
+        where = f"module {op.module!r}" if op.module else "the model"
+        if op.op in seen:
+            wrong = f"is called {seen[op.op]} time(s) per forward of {where}, so it has no call #{op.call}"
+        else:
+            wrong = f"is not called by the forward of {where} ({type(module).__name__})"
+        calls = ", ".join(sorted(seen)) or "no torch function that returns a tensor"
+        raise LayerNotFoundError(
+            f"op {op.op!r} {wrong}; its own forward calls: {calls}. Ops inside a child module belong "
+            f"to the child (tap 'child:op'); list them with layertap.summary(model, x, ops=True)"
+        )

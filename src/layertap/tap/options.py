@@ -1,0 +1,98 @@
+"""What `layertap.tap` is given: the kinds it captures, the keep policies, the checks of the options
+together, and ``copy=`` and ``edit=`` resolved against the tapped layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentError, TapError
+from ..select import Layers, OpName, Selection
+from .controls import DType, Reduce
+
+Kind = Literal["output", "input", "grad", "grad_input"]
+KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
+KEEPS = ("last", "first", "all")
+Edit = Callable[[str, Any], Any] | Mapping[Any, Callable[[str, Any], Any]] | None
+Observe = Callable[[str, str, int, Any], None] | None
+
+
+class Options(NamedTuple):
+    """`layertap.tap`'s options as given (`layertap.tap` documents them; `checked` checks them)."""
+
+    capture: Kind | Sequence[Kind]
+    keep: Literal["last", "first", "all"]
+    detach: bool
+    to: torch.device | str | None
+    dtype: DType
+    reduce: Reduce
+    stop_early: bool
+    edit: Edit
+    observe: Observe
+    copy: bool | Layers
+
+
+def checked(options: Options) -> tuple[str, ...]:
+    """The kinds ``capture=`` asks for; raises for an option unknown or at odds with another."""
+    capture = options.capture
+    kinds = (capture,) if isinstance(capture, str) else tuple(capture)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown capture={capture!r}: use any of {KINDS}")
+    if options.keep not in KEEPS:
+        raise ValueError(f"unknown keep={options.keep!r}: use one of {KEEPS}")
+    if options.stop_early and any(k.startswith("grad") for k in kinds):
+        raise TapError(
+            "stop_early=True cuts the forward, so no backward can reach the tapped layers: "
+            "drop stop_early to capture gradients"
+        )
+    if options.observe is not None and not callable(options.observe):
+        raise TypeError(f"observe must be a function f(name, kind, call, value), got {type(options.observe).__name__}")
+    return kinds
+
+
+def copied(copy: bool | Layers, chosen: Selection, tapped: list[str]) -> set[str]:
+    """The tapped names ``copy=`` names: their values are always copied, never guarded."""
+    if copy is True:
+        return set(tapped)
+    if copy is False or copy is None:
+        return set()
+    names = set(chosen.select(copy).names)
+    untapped = sorted(names - set(tapped))
+    if untapped:
+        raise ArgumentError(f"copy= names layers that are not tapped: {untapped[:3]}; add them to the tapped layers, or use copy=True")
+    return names
+
+
+class Edits(NamedTuple):
+    """``edit=`` resolved: the function of each edited name, and the ops and modules edited."""
+
+    functions: dict[str, Callable[[str, Any], Any]]
+    ops: dict[str, OpName]
+    modules: dict[str, nn.Module]
+
+
+def edited(edit: Edit, chosen: Selection, tapped: list[str]) -> Edits:
+    """``edit=`` resolved against the model's ``chosen`` layers (``tapped``: the names known now)."""
+    edits = Edits({}, {}, {})
+    if edit is None:
+        return edits
+    if callable(edit):
+        if chosen.star:
+            raise TapError("edit= needs named ops, not 'module:*' (named only as they run): list them with summary(model, x, ops=True)")
+        edits.functions.update(dict.fromkeys(tapped, edit))
+        return edits
+    for spec, fn in edit.items():
+        found = chosen.select(spec)
+        for name in found.names:
+            op = found.ops.get(name)
+            if op is not None and op.op == "*":
+                raise TapError(f"edit= needs named ops, not {name!r}: list the ops with summary(model, x, ops=True)")
+            if op is not None:
+                edits.ops[name] = op
+            edits.functions[name] = fn
+        edits.modules.update(found.modules)
+    return edits
