@@ -237,3 +237,35 @@ def test_leaf_layers_are_the_modules_without_children():
     model = torchvision.models.resnet18()
     assert leaf_layers(model) == [n for n, m in model.named_modules() if n and not list(m.children())]
     assert leaf_layers(nn.Linear(2, 2)) == [""]
+
+
+@pytest.mark.parametrize("change", ["swapped", "replaced"])
+def test_a_stale_selection_is_refused_naming_the_module(change):
+    # a Selection holds modules: tapping it after the model's module changed would hook a module
+    # that no longer runs there (swapped: another position's values under this name, silently)
+    model = torchvision.models.resnet18().eval()
+    chosen = selection(model, ["layer1.0.bn2", "layer1.0:add_"])
+    x = torch.randn(1, 3, 32, 32)
+    if change == "swapped":
+        model.layer1[0].bn2, model.layer1[1].bn2 = model.layer1[1].bn2, model.layer1[0].bn2
+    else:
+        model.layer1[0].bn2 = nn.BatchNorm2d(64)
+    with pytest.raises(ArgumentError, match=r"stale: module 'layer1\.0\.bn2' .* select again"):
+        with layertap.tap(model, chosen):
+            model(x)
+    with pytest.raises(ArgumentError, match="stale"):
+        layertap.extract(model, x, chosen)
+    fresh = selection(model, ["layer1.0.bn2"])  # selecting again taps the module that runs now
+    reference = {}
+    handle = model.layer1[0].bn2.register_forward_hook(lambda m, a, out: reference.update(out=out.clone()))
+    with torch.no_grad(), layertap.tap(model, fresh) as t:
+        model(x)
+    handle.remove()
+    assert torch.equal(t["layer1.0.bn2"], reference["out"])
+
+
+@pytest.mark.parametrize("layers", [42, 3.5, None])
+def test_a_spec_of_no_known_kind_is_one_line_naming_the_kinds(layers):
+    with pytest.raises(ArgumentError, match=r"^layers must be a name, glob, regex, module class, predicate.*not \w+") as info:
+        layertap.tap(nn.Linear(2, 2), layers)
+    assert "\n" not in str(info.value)

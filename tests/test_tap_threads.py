@@ -96,3 +96,30 @@ def test_op_taps_see_every_op_while_other_threads_run_hooks_and_after():
     assert torch.equal(t[":add"], cloned["out"])
     with torch.no_grad():
         assert torch.equal(t[":relu"], torch.relu(tapped.fc(xs[0])))
+
+
+def test_one_op_tap_on_one_model_run_by_several_threads_at_once_sees_every_forward():
+    # a server's request threads, or DataParallel-style replicas sharing modules: each thread's
+    # forward has its own frames, so no thread's op is lost or counted in another's forward
+    torch.manual_seed(0)
+    model = Block()
+    xs = [torch.randn(4, 8) for _ in range(8)]
+    rounds = 20
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with torch.no_grad(), layertap.tap(model, [":add", ":relu", "fc"], keep="all") as t:
+            _run_threads([lambda x=x: [model(x) for _ in range(rounds)] for x in xs])
+    finally:
+        sys.setswitchinterval(interval)
+    with torch.no_grad():  # the same computation, input by input
+        want = {"fc": [model.fc(x) for x in xs]}
+        want[":relu"] = [torch.relu(h) for h in want["fc"]]
+        want[":add"] = [r + x for r, x in zip(want[":relu"], xs)]
+    for name, values in want.items():
+        got = t.outputs[name]
+        assert len(got) == rounds * len(xs), f"{name}: {len(got)} of {rounds * len(xs)} calls"
+        # calls interleave across threads: each value is one input's, each input's value comes `rounds` times
+        matches = [[i for i, v in enumerate(values) if torch.equal(g, v)] for g in got]
+        assert all(len(m) == 1 for m in matches)
+        assert sorted(m[0] for m in matches) == sorted(list(range(len(xs))) * rounds)

@@ -311,6 +311,11 @@ def _is_name(spec: ModuleSpec) -> TypeGuard[str]:
 def _specs(layers: Layers) -> list[Spec]:
     if isinstance(layers, (str, re.Pattern, type)) or callable(layers) or _op_pair(layers):
         return [cast(Spec, layers)]
+    if not isinstance(layers, Iterable):
+        raise ArgumentError(
+            f"layers must be a name, glob, regex, module class, predicate, (module spec, op) pair or a list of "
+            f"them, not {type(layers).__name__} ({layers!r}): e.g. 'layer1', 'layer*', nn.Conv2d or 'layer1.0:add_'"
+        )
     return list(cast(Sequence[Spec], layers))
 
 
@@ -415,6 +420,19 @@ def _same_model(chosen: Selection, model: nn.Module) -> Selection:
             f"this Selection was made for another model ({type(chosen.model).__name__} at {id(chosen.model):#x}): "
             "make it with selection(model, layers) for the model you tap"
         )
+    # a module replaced since (model.layer1[0] = ...) would be hooked where it no longer runs: a
+    # lookup per name, far cheaper than the walk a Selection saves
+    for name, module in chosen.modules.items():
+        try:
+            now = model.get_submodule(name)
+        except AttributeError:
+            now = None
+        if now is not module:
+            raise ArgumentError(
+                f"this Selection is stale: module {name!r} of the model was replaced "
+                f"({type(module).__name__} -> {type(now).__name__ if now is not None else 'nothing'}) since it was made; "
+                "select again with selection(model, layers)"
+            )
     return chosen
 
 

@@ -126,7 +126,10 @@ class Tap(Mapping):
         self._selection = chosen = selection(model, layers)
         # "module:*" names every op as it runs; the other names are known now
         if chosen.star and self.stop_early:
-            raise TapError("stop_early=True needs a known set of layers: name the ops instead of 'module:*'")
+            raise TapError(
+                "stop_early=True (the default of layertap.extract and FeatureExtractor) needs a known set of layers: "
+                "name the ops instead of 'module:*', or pass stop_early=False"
+            )
         self.names: list[str] = [n for n in chosen.names if n not in chosen.ops or chosen.ops[n].op != "*"]
         self._tapped = set(self.names)
         self._modules: dict[str, nn.Module] = dict(chosen.modules)  # the tapped and edited modules, and ops' owners

@@ -22,7 +22,7 @@ Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.s
   threads could lose an update (``x += 1`` is not atomic), after which no op tap in the process
   would see anything, silently.
 
-`OpTaps` holds the sites (module -> op -> tap names), the running frames, the mode and what each
+`OpTaps` holds the sites (module -> op -> tap names), each thread's running frames and mode, and what each
 module was seen calling; it finds which tapped names a call hits and hands the call to the tap's
 op hook (`layertap.tap.core`), which captures it as a module hook would.
 """
@@ -115,6 +115,15 @@ class _Frame:
         self.counts: dict[str, int] = {}
 
 
+class _Thread(threading.local):
+    """One thread's running frames and mode: a tapped model may run in several threads at once
+    (``nn.DataParallel`` replicas, a server's request threads), each forward with its own ops."""
+
+    def __init__(self, on_op: Callable[..., Any]) -> None:
+        self.frames: list[_Frame | None] = []
+        self.mode = _OpMode(on_op)
+
+
 class _OpMode(TorchFunctionMode):
     """Hands every torch function call to the tap; on the mode stack only inside a wrapped forward."""
 
@@ -143,8 +152,7 @@ class OpTaps:
         self.star = set(star)
         self._modules = modules
         self._hook = hook
-        self.frames: list[_Frame | None] = []
-        self._mode = _OpMode(self.on_op)
+        self._thread = _Thread(self.on_op)
         # module name -> op -> most calls in one forward, for every op that returned a tensor
         self.seen: dict[str, dict[str, int]] = {}
 
@@ -158,13 +166,15 @@ class OpTaps:
         # from the module that called them
         sited = list(dict.fromkeys([*self.sites, *sorted(self.star)]))
         framed = {id(m): m for site in sited for m in self._modules[site].modules()}
-        frames = self.frames
+        thread = self._thread
 
         def blind(module: nn.Module, args: tuple) -> None:
+            frames = thread.frames
             if frames:
                 frames.append(None)
 
         def see(module: nn.Module, args: tuple, output: Any) -> None:
+            frames = thread.frames
             if frames:
                 frames.pop()
 
@@ -176,13 +186,14 @@ class OpTaps:
 
     def _frame_forward(self, module: nn.Module, name: str, restore: contextlib.ExitStack) -> None:
         """Run ``module``'s own forward (not its hooks) in a frame in which its ops are seen."""
-        frames, mode = self.frames, self._mode
+        thread = self._thread
         sites, star, seen = self.sites.get(name, {}), name in self.star, self.seen
         inner = module.forward
         own = module.__dict__.get("forward")
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
+            frames, mode = thread.frames, thread.mode
             depth = len(frames)
             seen.setdefault(name, {})
             frames.append(_Frame(name, sites, star))
@@ -203,7 +214,7 @@ class OpTaps:
 
     def on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """One torch function call inside a wrapped forward (the mode is off while this runs)."""
-        frame = self.frames[-1]
+        frame = self._thread.frames[-1]
         if frame is None or _HOOKS.running:  # inside a descendant's forward or a hook: not this module's op
             return func(*args, **kwargs)
         op = op_name(func)
