@@ -423,10 +423,9 @@ def _same_model(chosen: Selection, model: nn.Module) -> Selection:
     # a module replaced since (model.layer1[0] = ...) would be hooked where it no longer runs: a
     # lookup per name, far cheaper than the walk a Selection saves
     for name, module in chosen.modules.items():
-        try:
-            now = model.get_submodule(name)
-        except AttributeError:
-            now = None
+        now: nn.Module | None = model
+        for part in name.split(".") if name else ():
+            now = now._modules.get(part) if now is not None else None
         if now is not module:
             raise ArgumentError(
                 f"this Selection is stale: module {name!r} of the model was replaced "
