@@ -421,11 +421,16 @@ def _same_model(chosen: Selection, model: nn.Module) -> Selection:
             "make it with selection(model, layers) for the model you tap"
         )
     # a module replaced since (model.layer1[0] = ...) would be hooked where it no longer runs: a
-    # lookup per name, far cheaper than the walk a Selection saves
+    # lookup per name along its raw path, far cheaper than the walk a Selection saves; only where
+    # a lookup misses (a name with a dot inside one segment) does the walk decide
+    index, walked = chosen._index, None
     for name, module in chosen.modules.items():
         now: nn.Module | None = model
-        for part in name.split(".") if name else ():
+        for part in index[name].raw.split(".") if index[name].raw else ():
             now = now._modules.get(part) if now is not None else None
+        if now is not module:
+            walked = walked or _walk(model)[0]
+            now = walked[name].module if name in walked else None
         if now is not module:
             raise ArgumentError(
                 f"this Selection is stale: module {name!r} of the model was replaced "
