@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -74,6 +75,9 @@ class _Store:
         self.keep = keep
         # name -> [(call index, value, [(tensor, version, copy key), ...])], sorted by call index
         self.entries: dict[str, list[tuple[int, Any, list]]] = {}
+        # one model may run in several threads at once: a list being sorted reads as empty to
+        # the others, and two first values of a layer would each make its list
+        self._lock = threading.Lock()
 
     def wants(self, name: str, index: int) -> bool:
         kept = self.entries.get(name)
@@ -89,22 +93,24 @@ class _Store:
     def pop_replaced(self, name: str, index: int) -> list[Any]:
         """Remove the value that a value of call ``index`` would replace; returns it in a list
         that holds its last reference here (empty if none)."""
-        kept = self.entries.get(name)
-        if self.keep != "last" or not kept or index < kept[0][0]:
-            return []
-        del self.entries[name]
-        return [kept.pop()[1]]
+        with self._lock:
+            kept = self.entries.get(name)
+            if self.keep != "last" or not kept or index < kept[0][0]:
+                return []
+            del self.entries[name]
+            return [kept.pop()[1]]
 
     def put(self, name: str, index: int, value: Any, guards: list) -> None:
-        kept = self.entries.get(name)
-        if kept is None:
-            self.entries[name] = [(index, value, guards)]
-        elif self.keep == "all":
-            kept.append((index, value, guards))
-            if kept[-2][0] > index:  # gradients arrive in reverse call order
-                kept.sort(key=lambda e: e[0])
-        elif (self.keep == "last") == (index >= kept[0][0]):
-            kept[0] = (index, value, guards)
+        with self._lock:
+            kept = self.entries.get(name)
+            if kept is None:
+                self.entries[name] = [(index, value, guards)]
+            elif self.keep == "all":
+                kept.append((index, value, guards))
+                if kept[-2][0] > index:  # gradients arrive in reverse call order
+                    kept.sort(key=lambda e: e[0])
+            elif (self.keep == "last") == (index >= kept[0][0]):
+                kept[0] = (index, value, guards)
 
 
 class Kept:
