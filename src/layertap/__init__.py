@@ -33,7 +33,7 @@ from .errors import (
     StoreLockedError,
     TapError,
 )
-from .extract import extract_dataset
+from .extract import extract_dataset, extract_tokens
 from .features import FeatureExtractor, extract
 from .loading import load_model
 from .modelinfo import ModelInfo, model_info
@@ -42,7 +42,7 @@ from .overlay import overlay, overlay_grid
 from .report import build_report
 from .select import select
 from .stats import LayerStats, StatsTable, stats
-from .store import FeatureStore, open_features
+from .store import FeatureStore, TokenStore, open_features, open_tokens
 from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
 from .watch import Watch, WatchWarning, watch
@@ -67,6 +67,9 @@ __all__ = [
     "extract",
     "FeatureExtractor",
     "extract_dataset",
+    "extract_tokens",
+    "open_tokens",
+    "TokenStore",
     "open_features",
     "FeatureStore",
     "StoreError",

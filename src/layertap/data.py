@@ -62,7 +62,7 @@ class Batch:
 
     inputs: Any
     labels: torch.Tensor | None
-    ids: list
+    ids: Sequence
     index: np.ndarray
     failed: list[SkippedSample] = field(default_factory=list)
 
@@ -77,6 +77,10 @@ class Batch:
         inputs = nested.map_leaves(lambda t: t[keep], self.inputs)
         labels = None if self.labels is None else self.labels[keep]
         return Batch(inputs, labels, [self.ids[i] for i in rows], self.index[rows], self.failed)
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """What each sample's content is, as batch-first tensors: a resumed run's digests are of these."""
+        return nested.tensors(self.inputs) + ([self.labels] if self.labels is not None else [])
 
 
 # ------------------------------------------------------------------------- samples and batches

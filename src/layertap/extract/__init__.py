@@ -43,8 +43,9 @@ the name up on `layertap`. Every submodule is imported here, eagerly, so what th
 never depends on what was imported before.
 """
 
-from . import digests, forward, run, settings, sink  # noqa: F401  (every part loaded with the package: see above)
+from . import batches, corpus, digests, forward, run, settings, sink, tokenizer, tokens, units  # noqa: F401  (every part loaded with the package: see above)
 from .run import extract_dataset
 from .settings import Verify
+from .tokens import extract_tokens
 
-__all__ = ["extract_dataset", "Verify"]
+__all__ = ["extract_dataset", "extract_tokens", "Verify"]

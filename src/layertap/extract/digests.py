@@ -59,7 +59,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import nested
 from ..data import Batch, DataSource
 from ..errors import ArgumentError, DataChangedError
 from ..records import SkippedSample
@@ -413,8 +412,7 @@ def batch_digests(source: DataSource, batch: Batch) -> list[str]:
     """The digest of every readable sample of ``batch``, in batch order."""
     if _files(source):
         return [_file_digest(source.root / source.id_of(i)) for i in batch.index]
-    tensors = nested.tensors(batch.inputs) + ([batch.labels] if batch.labels is not None else [])
-    return _row_digests(tensors, len(batch))
+    return _row_digests(batch.row_tensors(), len(batch))
 
 
 def failed_digests(source: DataSource, failed: Iterable[SkippedSample]) -> list[str]:

@@ -45,13 +45,16 @@ def _numpy_dtype(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------------------- the run
-def _chunk_size(batch: int, sample_bytes: int, chunk_size: int | None, num_samples: int | None = None, processes: int = 1) -> int:
-    """Samples per chunk: whole batches, about `CHUNK_BYTES`; with several processes, small enough
-    that each gets a few chunks (chunks are what they share, and a few each end them together)."""
+def _chunk_size(
+    batch: int, sample_bytes: int, chunk_size: int | None, num_samples: int | None = None, processes: int = 1, most: int = MAX_CHUNK
+) -> int:
+    """Samples per chunk: whole batches, about `CHUNK_BYTES` and at most ``most`` samples; with
+    several processes, small enough that each gets a few chunks (chunks are what they share, and
+    a few each end them together)."""
     if chunk_size is not None:
         return chunk_size
     batches = max(1, CHUNK_BYTES // max(1, batch * sample_bytes))
-    size = min(MAX_CHUNK // batch * batch, batch * batches)
+    size = min(max(1, most // batch) * batch, batch * batches)
     if processes > 1 and num_samples:
         size = min(size, num_samples // (4 * processes) // batch * batch)
     return max(batch, size)
@@ -145,20 +148,9 @@ def extract_dataset(
     stops before writing anything.
     """
     names = select(model, layers)  # unknown layers fail here, before any work
-    if verify not in ("close", "exact", "off"):
-        raise ValueError(f"verify must be 'close', 'exact' or 'off', not {verify!r}")
     reducer(reduce)
     dtype = as_dtype(dtype)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    out = location(out)
-    fmt = format_for(out, format)
-    _, world, local_rank = launched() if distributed else (0, 1, 0)
-    check_writers(fmt, world, out)
-    if world > 1 and str(out).startswith("memory://"):
-        raise StoreError(f"{out} is in this process's memory, which the other {world - 1} processes cannot see: write to a shared folder or an object store")
-    device = rank_device(device, local_rank, world)
-    run_device = place_model(model, device)
+    out, fmt, world, device, run_device = _target(model, out, format, device, distributed, verify, chunk_size)
     info = model_info(model)
     transform = transform or info.transform
     source = open_data(
@@ -178,18 +170,46 @@ def extract_dataset(
             f"{source.description} can only be read in order, so {world} processes cannot share it out: "
             "give a Dataset, a DataLoader over one, an image folder or a .npy array"
         )
-    with job(device, together=distributed) as procs:
+
+    def make(procs: Processes) -> _Run:
         settings = _settings(model, names, reduce, dtype, source)
         _check_same_everywhere(procs, settings)
         meta = _store_meta(settings, info.spec or type(model).__name__, source, fmt)
         forward = _Forward(model, names, reduce, dtype, run_device)
-        run = _Run(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
+        return _Run(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
+
+    run_job(make, device, distributed, resume=resume, overwrite=overwrite)
+    return FeatureStore(out)
+
+
+def _target(
+    model: nn.Module, out: str | Path, format: str | None, device: torch.device | str | None, distributed: bool, verify: str, chunk_size: int | None
+) -> tuple[Location, str, int, torch.device | str | None, torch.device]:
+    """Check where a run writes and how: the store's location and format, the job's size, this
+    process's device and the device the model's inputs go to (the model is moved there)."""
+    if verify not in ("close", "exact", "off"):
+        raise ValueError(f"verify must be 'close', 'exact' or 'off', not {verify!r}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    out = location(out)
+    fmt = format_for(out, format)
+    _, world, local_rank = launched() if distributed else (0, 1, 0)
+    check_writers(fmt, world, out)
+    if world > 1 and str(out).startswith("memory://"):
+        raise StoreError(f"{out} is in this process's memory, which the other {world - 1} processes cannot see: write to a shared folder or an object store")
+    device = rank_device(device, local_rank, world)
+    return out, fmt, world, device, place_model(model, device)
+
+
+def run_job(make: Callable[[Processes], _Run], device: torch.device | str | None, distributed: bool, *, resume: bool, overwrite: bool) -> None:
+    """Make the run of this process of the job (``make(procs)``) and run it, its store closed after."""
+    with job(device, together=distributed) as procs:
+        run = make(procs)
         try:
             run.extract(resume=resume, overwrite=overwrite)
         finally:
             if run.writer is not None:
                 run.writer.close()
-    return FeatureStore(out)
 
 
 Computed = tuple[Batch, Leaves]  # a batch and its features
@@ -202,9 +222,11 @@ class _Run:
     store; each process writes the chunks dealt to it.
     """
 
+    MOST = MAX_CHUNK  # samples per chunk at most
+
     def __init__(
         self,
-        forward: _Forward,
+        forward: Callable[[Any, int], Leaves],
         source: DataSource,
         out: Location,
         format: str | None,
@@ -256,7 +278,11 @@ class _Run:
                 for chunk in list(self.to_recompute):  # each is crossed off when compared
                     procs.share(functools.partial(self._recompute, chunk))
         end = procs.together(lambda: self._batches(done, verifier))
-        procs.share(lambda: store.finish(self.source.num_samples or end))
+        self._finish(self.source.num_samples or end)
+
+    def _finish(self, num_samples: int) -> None:
+        """Every chunk is written: mark the store complete (rank 0)."""
+        self.procs.share(lambda: self.store.finish(num_samples))
 
     def _open(self) -> None:
         if self.writer is not None:
@@ -309,11 +335,7 @@ class _Run:
     def _store_plan_of(self, batch: Batch, leaves: Leaves) -> StorePlan:
         specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
         size = _chunk_size(
-            self.source.batch_size or len(batch) + len(batch.failed),
-            sum(s.sample_bytes for s in specs),
-            self.chunk_size,
-            self.source.num_samples,
-            self.procs.world,
+            self._granule(batch), sum(s.sample_bytes for s in specs), self.chunk_size, self.source.num_samples, self.procs.world, self.MOST
         )
         return StorePlan(
             specs,
@@ -323,6 +345,10 @@ class _Run:
             None if batch.labels is None else str(batch.labels.numpy().dtype),
             {array_key(*k): t.detach().cpu().numpy() for k, t in leaves.items()},
         )
+
+    def _granule(self, batch: Batch) -> int:
+        """Chunks are a whole number of these samples: a batch (a resume cuts the same batches)."""
+        return self.source.batch_size or len(batch) + len(batch.failed)
 
     def _read(self, shard: np.ndarray | None, done: list[int], verifier: Verifier | None) -> Iterator[Computed]:
         """The batches of ``shard`` with their features. Data read in order (``shard=None``) skips
@@ -390,7 +416,7 @@ class _Run:
         for spec in self.store.specs:
             new = arrays[spec.key].detach().cpu().numpy()
             old = np.asarray(self.store.backend.array(spec.path)[lo : lo + int(rows.max()) + 1])[rows]
-            found = _difference(new, old, self.rtol)
+            found = _difference(self._values(spec.key, new), self._values(spec.key, old), self.rtol)
             if found is not None:
                 err, feature, at, allowed = found
                 where = f" in feature {feature}, which differs by {at:.3g}" if allowed else ""
@@ -401,6 +427,10 @@ class _Run:
                     "library, a kernel), so new rows would not match them: restore it, or pass overwrite=True "
                     "(--overwrite) to extract everything again"
                 )
+
+    def _values(self, key: str, stored: np.ndarray) -> np.ndarray:
+        """What stored rows of array ``key`` mean as numbers (as they are, here)."""
+        return stored
 
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
         for spec in self.store.specs:

@@ -33,7 +33,8 @@ The package, from the bottom up (each file imports only those above it):
 """
 
 from ..errors import StoreError
-from . import backends, format, lifecycle, lock, paths, reader, trust, writer  # noqa: F401  (every part loaded with the package)
+from . import backends, format, lifecycle, lock, paths, reader, tokens, trust, writer  # noqa: F401  (every part loaded with the package)
 from .reader import FeatureStore, open_features
+from .tokens import TokenStore, open_tokens
 
-__all__ = ["open_features", "FeatureStore", "StoreError"]
+__all__ = ["open_features", "FeatureStore", "open_tokens", "TokenStore", "StoreError"]

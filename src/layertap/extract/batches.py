@@ -1,0 +1,208 @@
+"""Token batches: units padded into fixed batches, and the model under one tap over them.
+
+The engine of `layertap.extract_dataset` stores one row per sample. For tokens a *row* is a
+stored token, so `TokenSource` is a `layertap.data.DataSource` whose samples are the rows of
+`layertap.extract.units.Units`: the run deals out, writes, marks and resumes chunks of rows as
+it does chunks of images.
+
+Why each row is exact, whatever the tokenizer's padding side:
+
+- layertap pads every batch itself, **on the right**, and passes the attention mask. A real
+  token then sits at the position it has when its unit runs alone (absolute positions, as
+  GPT-2's, and rotary ones, as Llama's, both start at 0 with the unit), and no real token
+  attends to padding: a causal model never looks right, and an encoder masks it out. The
+  tokenizer's own ``padding_side`` is never used.
+- a unit is always computed in the same batch: batch ``k`` is units ``k*B`` to ``(k+1)*B``,
+  whatever rows a process or a resumed run needs of it. The same batch gives the same padded
+  shape, so a resumed run recomputes bit for bit what an uninterrupted one would have (rows of a
+  unit that straddles two chunks are computed by both chunks' runs: one batch more per chunk).
+
+A layer's output holds one value per token: ``[batch, tokens, ...]`` (the first tensor of a
+tuple, as everywhere). The token dimension is the one of the batch's padded length (dimension
+1 first, so an SDPA output ``[batch, heads, tokens, head_dim]`` is found at 2); the rest is
+flattened, so each layer is stored as ``[rows, features]``.
+
+>>> import torch
+>>> from layertap.extract.units import Units
+>>> source = TokenSource(Units.of([[5, 6, 7], [8]], [[0, 0, 0], [0]]), batch_size=2, pad_id=0, description="2 docs")
+>>> batch = next(source.batches())
+>>> batch.inputs.model_inputs["attention_mask"].tolist(), batch.index.tolist()
+([[1, 1, 1], [1, 0, 0]], [0, 1, 2, 3])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import nested
+from ..data import Batch, DataSource
+from ..errors import ArgumentError, StoreError
+from ..runtime import run_model, running
+from ..tap import Tap, tap
+from .forward import Leaves
+from .units import Units
+
+# the arrays every token store holds beside its layers' (see `layertap.store.tokens`)
+TOKEN_IDS, DOCS, POSITIONS = "@token_ids", "@docs", "@positions"
+
+
+@dataclass
+class TokenInputs:
+    """A padded batch of units and the (unit, position) of each of its rows."""
+
+    model_inputs: dict[str, torch.Tensor]  # input_ids, attention_mask: [units, padded length]
+    unit: torch.Tensor  # [rows]: the row's unit, within the batch
+    position: torch.Tensor  # [rows]: the row's position within its unit
+    token_ids: torch.Tensor  # [rows] int32
+    docs: torch.Tensor  # [rows] int64
+    unit_hash: torch.Tensor  # [rows] int64: a hash of the row's whole unit (what its value depends on)
+
+    def take(self, rows: torch.Tensor) -> TokenInputs:
+        return replace(self, **{k: getattr(self, k)[rows] for k in ("unit", "position", "token_ids", "docs", "unit_hash")})
+
+
+class TokenBatch(Batch):
+    """A batch whose samples are rows (stored tokens) of a padded batch of units."""
+
+    inputs: TokenInputs
+
+    def take(self, rows: np.ndarray) -> TokenBatch:
+        if len(rows) == len(self):
+            return self
+        keep = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        ids = cast(_RowIds, self.ids)
+        return TokenBatch(self.inputs.take(keep), None, _RowIds(ids.docs[rows], ids.positions[rows], ids.doc_ids), self.index[rows], self.failed)
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """A row's value depends on its whole unit, its position and its token."""
+        i = self.inputs
+        return [torch.stack([i.unit_hash, i.position.long(), i.token_ids.long(), i.docs], 1)]
+
+
+class _RowIds(Sequence):
+    """Each row's id, made when asked (a message names one): ``"doc <document id> token <position>"``."""
+
+    def __init__(self, docs: np.ndarray, positions: np.ndarray, doc_ids: Sequence | None = None) -> None:
+        self.docs, self.positions, self.doc_ids = docs, positions, doc_ids
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: Any) -> Any:
+        doc = int(self.docs[i])
+        return f"document {self.doc_ids[doc] if self.doc_ids is not None else doc} token {int(self.positions[i])}"
+
+
+def _unit_hash(ids: np.ndarray) -> int:
+    return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little", signed=True)
+
+
+class TokenSource(DataSource):
+    """The rows of ``units`` as samples, in fixed batches of ``batch_size`` units (see above)."""
+
+    indexed = True
+    num_samples: int
+    batch_size: int
+
+    def __init__(self, units: Units, *, batch_size: int, pad_id: int, description: str, doc_ids: Sequence | None = None) -> None:
+        self.units, self.batch_size, self.pad_id, self.doc_ids = units, batch_size, pad_id, doc_ids
+        self.num_samples = units.num_rows
+        self.ids = None
+        self.description = description
+        self.hashes = np.array([_unit_hash(i) for i in units.ids], dtype=np.int64)
+        self.unit_of_row = np.repeat(np.arange(len(units), dtype=np.int64), np.diff(units.offsets))
+
+    def batches(self, shard: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
+        rows = np.arange(self.num_samples, dtype=np.int64) if shard is None else np.asarray(shard, dtype=np.int64)
+        if not len(rows):
+            return
+        group = self.unit_of_row[rows] // self.batch_size
+        cuts = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(rows)]
+        for lo, hi in itertools.pairwise(cuts):
+            yield self._batch(int(group[lo]), rows[lo:hi])
+
+    def _batch(self, k: int, rows: np.ndarray) -> TokenBatch:
+        u = self.units
+        first, last = k * self.batch_size, min(len(u), (k + 1) * self.batch_size)
+        length = max(1, max(len(u.ids[i]) for i in range(first, last)))
+        ids = np.full((last - first, length), self.pad_id, dtype=np.int64)
+        mask = np.zeros((last - first, length), dtype=np.int64)
+        for b, i in enumerate(range(first, last)):
+            ids[b, : len(u.ids[i])] = u.ids[i]
+            mask[b, : len(u.ids[i])] = 1
+        unit = self.unit_of_row[rows]
+        positions, docs = [], []
+        for i in np.unique(unit):  # rows are sorted: grouped by unit, in order
+            p = u.selected[i][rows[unit == i] - u.offsets[i]]
+            positions.append(p)
+            docs.append(u.docs[i][p])
+        position = np.concatenate(positions)
+        local = unit - first
+        inputs = TokenInputs(
+            {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)},
+            torch.from_numpy(local),
+            torch.from_numpy(position),
+            torch.from_numpy(ids[local, position].astype(np.int32)),
+            torch.from_numpy(np.concatenate(docs)),
+            torch.from_numpy(self.hashes[unit]),
+        )
+        return TokenBatch(inputs, None, _RowIds(inputs.docs.numpy(), position, self.doc_ids), rows)
+
+
+def _token_dim(shape: torch.Size, length: int) -> int | None:
+    if len(shape) >= 2 and shape[1] == length:
+        return 1
+    return next((d for d in range(2, len(shape)) if shape[d] == length), None)
+
+
+class TokenForward:
+    """The model under one tap, over token batches: ``{(layer, None): [rows, features]}``, and the
+    rows' token ids, documents and positions (stored beside the layers' arrays).
+
+    ``bits=True`` stores bfloat16 features as their raw 16 bits (int16: NumPy has no bfloat16).
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], dtype: torch.dtype | None, device: torch.device, *, batch_size: int) -> None:
+        self.model, self.names, self.device = model, names, device
+        self.bits = dtype == torch.bfloat16
+        params = inspect.signature(model.forward).parameters
+        self.masks = "attention_mask" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        if not self.masks and batch_size > 1:
+            raise ArgumentError(
+                f"{type(model).__name__}.forward takes no attention_mask, so the padding of a batch would change what its "
+                "real tokens compute: pass batch_size=1, or a model that takes attention_mask"
+            )
+        self.tap: Tap = tap(model, names, dtype=dtype, stop_early=True)
+
+    def __call__(self, inputs: TokenInputs, n: int) -> Leaves:
+        model_inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.model_inputs.items() if self.masks or k == "input_ids"}
+        length = model_inputs["input_ids"].shape[1]
+        unit, position = inputs.unit.to(self.device), inputs.position.to(self.device)
+        with running(self.model), self.tap:
+            run_model(self.model, model_inputs)
+        leaves: Leaves = {}
+        for name in self.names:
+            found = nested.tensors(self.tap[name])
+            t = found[0] if found else None
+            dim = None if t is None else _token_dim(t.shape, length)
+            if t is None or dim is None or t.shape[0] != model_inputs["input_ids"].shape[0]:
+                got = "no tensor" if t is None else f"shape {list(t.shape)}"
+                raise StoreError(
+                    f"layer {name!r} gave {got} for a batch of {list(model_inputs['input_ids'].shape)} tokens: a token store "
+                    "holds one row per token, so tap a layer whose output is [batch, tokens, ...] (a block, an MLP, an attention op)"
+                )
+            rows = t.movedim(dim, 1)[unit, position].reshape(n, -1)
+            leaves[(name, None)] = rows.view(torch.int16) if self.bits else rows
+        leaves[(TOKEN_IDS, None)] = inputs.token_ids
+        leaves[(DOCS, None)] = inputs.docs
+        leaves[(POSITIONS, None)] = inputs.position.to(torch.int32)
+        return leaves

@@ -1,0 +1,171 @@
+"""A corpus: the documents of a ``texts`` argument, with their ids, read as data.
+
+Accepted ``texts`` (see `layertap.extract_tokens`):
+
+- a list (or any sequence) of strings, or of token-id lists / arrays (already tokenized);
+- a dict ``{"input_ids": [...]}`` of already-tokenized documents;
+- a ``.txt`` file (one document per line), a ``.jsonl`` / ``.json`` file (records, or a list of
+  them), a ``.csv`` or a ``.parquet`` file, whose ``text_field`` column holds the text and
+  ``id_field`` (optional) the ids;
+- a Hugging Face ``datasets.Dataset`` (in memory, or loaded from disk), by the same fields.
+
+Files are read as data only: JSON is parsed, CSV split, Parquet decoded by pyarrow; nothing in
+them is run. A document that is missing or not a string is kept as it is here and refused (or
+skipped, with ``on_error="skip"``) when it is tokenized, naming its index.
+
+>>> corpus = read_corpus(["a cat", "a dog"])
+>>> len(corpus), corpus.doc_ids, corpus.pretokenized
+(2, None, False)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError, require
+
+_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
+
+
+@dataclass
+class Corpus:
+    """The documents of a ``texts`` argument.
+
+    Attributes:
+        docs: one entry per document: a string, or a sequence of token ids (``pretokenized``),
+            or whatever the file held there (refused when tokenized).
+        doc_ids: the documents' ids (``id_field``), or ``None`` when they are the indices.
+        description: what the documents came from, for messages.
+        pretokenized: whether ``docs`` are token ids, not text.
+    """
+
+    docs: Sequence[Any]
+    doc_ids: list | None
+    description: str
+    pretokenized: bool
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def id_of(self, index: int) -> Any:
+        return self.doc_ids[index] if self.doc_ids is not None else int(index)
+
+
+def _is_ids(doc: Any) -> bool:
+    """Whether a document is token ids: a sequence (list, tuple, array, tensor) of integers."""
+    if isinstance(doc, (str, bytes)) or not hasattr(doc, "__len__"):
+        return False
+    values = np.asarray(doc)
+    return values.ndim == 1 and (values.dtype.kind in "iu" or (values.size == 0 and values.dtype.kind == "f"))
+
+
+def _records(rows: list, text_field: str, id_field: str | None, where: str) -> tuple[list, list | None]:
+    """The text and ids of a list of records (dicts), each missing field kept as ``None``."""
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DataError(f"record {bad} of {where} is a {type(rows[bad]).__name__}, not an object with a {text_field!r} field")
+    docs = [r.get(text_field) for r in rows]
+    if rows and all(text_field not in r for r in rows):
+        raise DataError(f"no record of {where} has a {text_field!r} field (it has {sorted(rows[0])}): pass text_field=")
+    if id_field is None:
+        return docs, None
+    ids = [r.get(id_field) for r in rows]
+    _check_ids(ids, id_field, where)
+    return docs, ids
+
+
+def _check_ids(ids: list, id_field: str, where: str) -> None:
+    missing = next((i for i, v in enumerate(ids) if not isinstance(v, (str, int)) or isinstance(v, bool)), None)
+    if missing is not None:
+        raise DataError(f"document {missing} of {where} has no {id_field!r} (a string or an integer): {ids[missing]!r}")
+    seen: dict = {}
+    for i, v in enumerate(ids):
+        if v in seen:
+            raise DataError(f"documents {seen[v]} and {i} of {where} have the same {id_field!r} {v!r}: ids must be unique")
+        seen[v] = i
+
+
+def _json_rows(path: Path) -> list:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix the file") from e
+        if isinstance(value, dict):  # {"data": [...]} as some exports write it
+            lists = [v for v in value.values() if isinstance(v, list)]
+            value = lists[0] if len(lists) == 1 else value
+        if not isinstance(value, list):
+            raise DataError(f"{path} holds a JSON {type(value).__name__}, not a list of records: give a list, or a .jsonl file")
+        return value
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"line {n} of {path} is not valid JSON ({e.msg}): fix it, or remove the line") from e
+    return rows
+
+
+def _file(path: Path, text_field: str, id_field: str | None) -> tuple[list, list | None]:
+    if path.suffix == ".txt":
+        return path.read_text(encoding="utf-8").splitlines(), None
+    if path.suffix in (".json", ".jsonl"):
+        return _records(_json_rows(path), text_field, id_field, str(path))
+    if path.suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+        return _records(rows, text_field, id_field, str(path))
+    pq = require("pyarrow.parquet", "text")
+    table = pq.read_table(path)
+    return _columns(table.column_names, lambda c: table.column(c).to_pylist(), text_field, id_field, str(path))
+
+
+def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str | None, where: str) -> tuple[list, list | None]:
+    """The text and id columns of a table (a Parquet file, a ``datasets.Dataset``)."""
+    for field in (text_field, id_field):
+        if field is not None and field not in names:
+            raise DataError(f"{where} has no column {field!r} (it has {list(names)}): pass text_field= / id_field=")
+    ids = None if id_field is None else list(column(id_field))
+    if ids is not None:
+        _check_ids(ids, id_field or "", where)
+    return list(column(text_field)), ids
+
+
+def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = None) -> Corpus:
+    """The documents of ``texts`` (see the module's docstring), with their ids."""
+    if isinstance(texts, (str, Path)):
+        path = Path(texts).expanduser()
+        if path.suffix not in _SUFFIXES:
+            raise DataError(f"{path}: texts are read from {', '.join(_SUFFIXES)} files; give one of those, or a list of strings")
+        if not path.is_file():
+            raise DataError(f"{path} is not a file: check the path")
+        docs, ids = _file(path, text_field, id_field)
+        return Corpus(docs, ids, str(path), False)
+    if type(texts).__module__.startswith("datasets") and hasattr(texts, "column_names"):
+        docs, ids = _columns(texts.column_names, lambda c: texts[c], text_field, id_field, "the dataset")
+        if docs and _is_ids(docs[0]):
+            return Corpus(docs, ids, f"a dataset of {len(docs)} tokenized documents", True)
+        return Corpus(docs, ids, f"a dataset of {len(docs)} documents", False)
+    if isinstance(texts, dict):
+        if "input_ids" not in texts:
+            raise DataError(f"a dict of documents needs an 'input_ids' entry (it has {sorted(texts)}): or give a list of strings")
+        texts = texts["input_ids"]
+    if (hasattr(texts, "dim") and texts.dim() == 2) or (isinstance(texts, np.ndarray) and texts.ndim == 2):
+        texts = list(texts)  # a [documents, tokens] array: its rows
+    if not isinstance(texts, Sequence) and not isinstance(texts, np.ndarray):
+        raise DataError(
+            f"texts is a {type(texts).__name__}: give a list of strings, a .txt/.jsonl/.json/.csv/.parquet file, a "
+            "datasets.Dataset, or tokenized documents (lists of token ids)"
+        )
+    docs = list(texts)
+    tokenized = bool(docs) and _is_ids(docs[0])
+    return Corpus(docs, None, f"{len(docs)} {'tokenized ' if tokenized else ''}documents", tokenized)

@@ -1,0 +1,158 @@
+"""The tokenizer of a token extraction: which one, what it is (its fingerprint), and a corpus
+turned into `layertap.extract.units.Units` with it.
+
+- `default_tokenizer`: the tokenizer saved beside an ``hf:`` model (its folder), read as data:
+  a tokenizer whose config names its own code is refused, as `layertap.load_model` refuses models.
+- `tokenizer_fingerprint`: the tokenizer's name and a hash of what tokenizes (vocabulary,
+  merges, normalisation, special tokens), not of its padding side, which layertap does not use:
+  it pads batches itself, on the right (see `layertap.extract.batches`).
+- `tokenize`: every document tokenized (in batches, with the fast tokenizer where there is one),
+  truncated to ``max_length``, or packed; a document that is missing or not a string is a
+  one-line error naming its index, or is skipped and recorded with ``on_error="skip"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from ..data import OnError
+from ..errors import ArgumentError, DataError, ModelLoadError, require
+from ..modelinfo import model_info
+from ..records import SkippedSample
+from .corpus import Corpus
+from .units import TokenPolicy, Units, pack
+
+_BATCH = 1024  # documents per tokenizer call
+
+
+def _model_folder(model: nn.Module) -> Path | None:
+    spec = model_info(model).spec or ""
+    if spec.startswith("hf:"):
+        return Path(spec[3:]).expanduser()
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return Path(name).expanduser() if name and Path(name).expanduser().is_dir() else None
+
+
+def default_tokenizer(model: nn.Module) -> Any:
+    """The tokenizer saved beside an ``hf:`` model (or a Hugging Face model loaded from a folder)."""
+    folder = _model_folder(model)
+    if folder is None or not folder.is_dir():
+        raise ArgumentError(
+            f"no tokenizer is known for this {type(model).__name__}: pass tokenizer= (e.g. "
+            "transformers.AutoTokenizer.from_pretrained(folder)), or load the model with layertap.load_model('hf:FOLDER')"
+        )
+    transformers = require("transformers", "text")
+    config = folder / "tokenizer_config.json"
+    try:
+        auto_map = "auto_map" in json.loads(config.read_text()) if config.is_file() else False
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config} is not valid JSON ({e}): fix or remove it, or pass tokenizer=") from e
+    if auto_map:
+        raise ModelLoadError(f"the tokenizer in {folder} names its own code (auto_map), which layertap does not run: pass tokenizer= yourself")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"no tokenizer could be read from {folder} ({type(e).__name__}: {e}): pass tokenizer=") from e
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict:
+    """``{"name", "class", "hash"}``: what tokenizes, hashed (not the padding side, see above)."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        for key in ("padding", "truncation"):
+            state.pop(key, None)
+        h.update(json.dumps(state, sort_keys=True).encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())).encode())
+    return {"name": getattr(tokenizer, "name_or_path", "") or "", "class": type(tokenizer).__name__, "hash": h.hexdigest()[:16]}
+
+
+def default_max_length(model: nn.Module, tokenizer: Any) -> int:
+    """The longest input the model and tokenizer both take (512 when neither says)."""
+    config = getattr(model, "config", None)
+    limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    limits.append(getattr(tokenizer, "model_max_length", None))
+    found = [int(x) for x in limits if isinstance(x, int) and 0 < x < 1_000_000]
+    return min(found) if found else 512
+
+
+def _separator(tokenizer: Any) -> int:
+    for name in ("eos_token_id", "sep_token_id"):
+        token = getattr(tokenizer, name, None)
+        if isinstance(token, int):
+            return token
+    raise ArgumentError("pack=True joins documents with the tokenizer's EOS (or SEP) token, and this tokenizer has neither: set tokenizer.eos_token, or pack=False")
+
+
+def _bad(corpus: Corpus, i: int, doc: Any) -> str | None:
+    if corpus.pretokenized:
+        values = np.asarray(doc) if doc is not None and not isinstance(doc, str) else None
+        return None if values is not None and values.ndim == 1 and (values.dtype.kind in "iu" or values.size == 0) else f"is {type(doc).__name__}, not token ids"
+    if doc is None:
+        return "is missing"
+    return None if isinstance(doc, str) else f"is a {type(doc).__name__}, not a string"
+
+
+def _special_mask(tokenizer: Any, ids: np.ndarray) -> np.ndarray:
+    if tokenizer is None:
+        return np.zeros(len(ids), dtype=bool)
+    return np.isin(ids, np.asarray(tokenizer.all_special_ids, dtype=np.int64))
+
+
+def tokenize(
+    corpus: Corpus, tokenizer: Any, *, max_length: int, pack_documents: bool, tokens: TokenPolicy, on_error: OnError
+) -> Units:
+    """The units of ``corpus`` (see `layertap.extract.units`) and which of their tokens are stored."""
+    if max_length < 1:
+        raise ArgumentError(f"max_length must be at least 1, got {max_length}")
+    good, skipped = [], []
+    for i, doc in enumerate(corpus.docs):
+        problem = _bad(corpus, i, doc)
+        if problem is None:
+            good.append(i)
+        elif on_error == "skip":
+            skipped.append(SkippedSample(i, corpus.id_of(i), f"DataError: the document {problem}"))
+        else:
+            raise DataError(f"document {i} ({corpus.id_of(i)!r}) of {corpus.description} {problem}: fix it, or pass on_error='skip' to leave it out")
+    ids, special = _token_ids(corpus, tokenizer, good, max_length, pack_documents)
+    if pack_documents:
+        ids, special, docs = pack(ids, special, good, _separator(tokenizer), max_length)
+        units = Units.of(ids, special, tokens=tokens, docs=docs)
+    else:
+        units = Units.of(ids, special, tokens=tokens, docs=[[d] * len(i) for d, i in zip(good, ids)])
+    units.skipped, units.num_documents = skipped, len(corpus)
+    return units
+
+
+def _token_ids(corpus: Corpus, tokenizer: Any, good: list[int], max_length: int, packing: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each good document's token ids and special-token mask (truncated unless ``packing``)."""
+    limit = None if packing else max_length
+    if corpus.pretokenized:
+        ids = [np.asarray(corpus.docs[i], dtype=np.int64)[:limit] for i in good]
+        return ids, [_special_mask(tokenizer, i) for i in ids]
+    if tokenizer is None:
+        raise ArgumentError("texts are strings, so a tokenizer is needed: pass tokenizer=, or give token ids")
+    ids, special = [], []
+    for start in range(0, len(good), _BATCH):
+        texts = [corpus.docs[i] for i in good[start : start + _BATCH]]
+        out = tokenizer(
+            texts,
+            add_special_tokens=not packing,
+            truncation=not packing,
+            max_length=limit,
+            return_special_tokens_mask=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        ids += [np.asarray(i, dtype=np.int64) for i in out["input_ids"]]
+        special += [np.asarray(s, dtype=bool) for s in out["special_tokens_mask"]]
+    return ids, special

