@@ -33,6 +33,9 @@ The package, in the order a run goes through it:
 - `settings`: what the features depend on (the model's fingerprint, layers, data, transform),
   the metadata record written into the store and compared on resume, and how far recomputed
   rows may differ (``verify=``);
+- `tokens`: `extract_tokens`, the same run over a language model's tokens: its rows are the
+  chosen tokens of a corpus (`corpus`), tokenized into units (`tokenizer`, `units`) and padded
+  into fixed batches (`batches`), so each row is what the model computes for its document alone;
 - `digests`: the fingerprints of the computation and the digests of the samples, with which a
   resumed run proves it computes what the store was written with.
 
@@ -43,7 +46,7 @@ the name up on `layertap`. Every submodule is imported here, eagerly, so what th
 never depends on what was imported before.
 """
 
-from . import batches, corpus, digests, forward, run, settings, sink, tokenizer, tokens, units  # noqa: F401  (every part loaded with the package: see above)
+from . import batches, corpus, digests, forward, run, settings, sink, token_plan, tokenizer, tokens, units  # noqa: F401  (every part loaded with the package: see above)
 from .run import extract_dataset
 from .settings import Verify
 from .tokens import extract_tokens

@@ -18,9 +18,11 @@ Why each row is exact, whatever the tokenizer's padding side:
   unit that straddles two chunks are computed by both chunks' runs: one batch more per chunk).
 
 A layer's output holds one value per token: ``[batch, tokens, ...]`` (the first tensor of a
-tuple, as everywhere). The token dimension is the one of the batch's padded length (dimension
-1 first, so an SDPA output ``[batch, heads, tokens, head_dim]`` is found at 2); the rest is
-flattened, so each layer is stored as ``[rows, features]``.
+tuple, as everywhere), or the tokens in another dimension (an SDPA output is ``[batch, heads,
+tokens, head_dim]``). Which dimension is the tokens' is known, not guessed from sizes (heads may
+be as many as the tokens): the first batch runs once more, one padding token longer, and the
+dimension that follows is the tokens'. The rest is flattened: each layer is stored as
+``[rows, features]``.
 
 >>> import torch
 >>> from layertap.extract.units import Units
@@ -158,10 +160,25 @@ class TokenSource(DataSource):
         return TokenBatch(inputs, None, _RowIds(inputs.docs.numpy(), position, self.doc_ids), rows)
 
 
-def _token_dim(shape: torch.Size, length: int) -> int | None:
-    if len(shape) >= 2 and shape[1] == length:
-        return 1
-    return next((d for d in range(2, len(shape)) if shape[d] == length), None)
+def takes_mask(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes an ``attention_mask`` (by name, or as ``**kwargs``)."""
+    params = inspect.signature(model.forward).parameters
+    return "attention_mask" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def token_dim(short: torch.Size | None, longer: torch.Size | None, units: int, length: int) -> int | None:
+    """The token dimension of an output of ``short`` shape for ``units`` units of ``length``
+    tokens, given its ``longer`` shape for one padding token more: the one dimension (after the
+    batch's) that follows the length; ``None`` when there is no such one dimension."""
+    if short is None or longer is None or len(short) != len(longer) or not short or short[0] != units:
+        return None
+    follows = [d for d in range(1, len(short)) if short[d] == length and longer[d] == length + 1]
+    return follows[0] if len(follows) == 1 else None
+
+
+def longer_by_one(model_inputs: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """The same batch, one padding token longer (masked out, right of every real token)."""
+    return {k: torch.cat([v, torch.full_like(v[:, :1], pad_id if k == "input_ids" else 0)], 1) for k, v in model_inputs.items()}
 
 
 class TokenForward:
@@ -171,11 +188,11 @@ class TokenForward:
     ``bits=True`` stores bfloat16 features as their raw 16 bits (int16: NumPy has no bfloat16).
     """
 
-    def __init__(self, model: nn.Module, names: list[str], dtype: torch.dtype | None, device: torch.device, *, batch_size: int) -> None:
-        self.model, self.names, self.device = model, names, device
+    def __init__(self, model: nn.Module, names: list[str], dtype: torch.dtype | None, device: torch.device, *, batch_size: int, pad_id: int) -> None:
+        self.model, self.names, self.device, self.pad_id = model, names, device, pad_id
+        self.token_dims: dict[str, int] = {}  # each layer's token dimension, once proven (`_prove`)
         self.bits = dtype == torch.bfloat16
-        params = inspect.signature(model.forward).parameters
-        self.masks = "attention_mask" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self.masks = takes_mask(model)
         if not self.masks and batch_size > 1:
             raise ArgumentError(
                 f"{type(model).__name__}.forward takes no attention_mask, so the padding of a batch would change what its "
@@ -183,24 +200,39 @@ class TokenForward:
             )
         self.tap: Tap = tap(model, names, dtype=dtype, stop_early=True)
 
-    def __call__(self, inputs: TokenInputs, n: int) -> Leaves:
-        model_inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.model_inputs.items() if self.masks or k == "input_ids"}
-        length = model_inputs["input_ids"].shape[1]
-        unit, position = inputs.unit.to(self.device), inputs.position.to(self.device)
+    def _run(self, model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """Each layer's per-token tensor (the first of its output) for one padded batch."""
         with running(self.model), self.tap:
             run_model(self.model, model_inputs)
-        leaves: Leaves = {}
-        for name in self.names:
-            found = nested.tensors(self.tap[name])
-            t = found[0] if found else None
-            dim = None if t is None else _token_dim(t.shape, length)
-            if t is None or dim is None or t.shape[0] != model_inputs["input_ids"].shape[0]:
+        return {name: next(iter(nested.tensors(self.tap[name])), None) for name in self.names}
+
+    def _prove(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
+        """Find each layer's token dimension: the one that follows the padded length when the same
+        batch runs again one padding token longer (real tokens compute the same: see above)."""
+        ids = model_inputs["input_ids"]
+        again = self._run(longer_by_one(model_inputs, self.pad_id))
+        for name, t in outputs.items():
+            other = again[name]
+            dim = token_dim(None if t is None else t.shape, None if other is None else other.shape, ids.shape[0], ids.shape[1])
+            if dim is None:
                 got = "no tensor" if t is None else f"shape {list(t.shape)}"
                 raise StoreError(
-                    f"layer {name!r} gave {got} for a batch of {list(model_inputs['input_ids'].shape)} tokens: a token store "
-                    "holds one row per token, so tap a layer whose output is [batch, tokens, ...] (a block, an MLP, an attention op)"
+                    f"layer {name!r} gave {got} for a batch of {list(ids.shape)} tokens, with no one dimension that follows the "
+                    "number of tokens: a token store holds one row per token, so tap a layer whose output is [batch, tokens, ...] "
+                    "(a block, an MLP, an attention op)"
                 )
-            rows = t.movedim(dim, 1)[unit, position].reshape(n, -1)
+            self.token_dims[name] = dim
+
+    def __call__(self, inputs: TokenInputs, n: int) -> Leaves:
+        model_inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.model_inputs.items() if self.masks or k == "input_ids"}
+        unit, position = inputs.unit.to(self.device), inputs.position.to(self.device)
+        outputs = self._run(model_inputs)
+        if len(self.token_dims) < len(self.names):
+            self._prove(model_inputs, outputs)
+        leaves: Leaves = {}
+        for name, t in outputs.items():
+            assert t is not None  # proven above
+            rows = t.movedim(self.token_dims[name], 1)[unit, position].reshape(n, -1)
             leaves[(name, None)] = rows.view(torch.int16) if self.bits else rows
         leaves[(TOKEN_IDS, None)] = inputs.token_ids
         leaves[(DOCS, None)] = inputs.docs

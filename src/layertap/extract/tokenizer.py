@@ -47,18 +47,24 @@ def default_tokenizer(model: nn.Module) -> Any:
             f"no tokenizer is known for this {type(model).__name__}: pass tokenizer= (e.g. "
             "transformers.AutoTokenizer.from_pretrained(folder)), or load the model with layertap.load_model('hf:FOLDER')"
         )
+    return read_tokenizer(folder)
+
+
+def read_tokenizer(folder: Path, fix: str = "pass tokenizer=") -> Any:
+    """The Hugging Face tokenizer saved in ``folder``, read as data: one whose config names its
+    own code (``auto_map``) is refused; ``fix`` ends the messages of failures."""
     transformers = require("transformers", "text")
     config = folder / "tokenizer_config.json"
     try:
         auto_map = "auto_map" in json.loads(config.read_text()) if config.is_file() else False
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{config} is not valid JSON ({e}): fix or remove it, or pass tokenizer=") from e
+        raise ModelLoadError(f"{config} is not valid JSON ({e}): fix or remove it, or {fix}") from e
     if auto_map:
-        raise ModelLoadError(f"the tokenizer in {folder} names its own code (auto_map), which layertap does not run: pass tokenizer= yourself")
+        raise ModelLoadError(f"the tokenizer in {folder} names its own code (auto_map), which layertap does not run: {fix}")
     try:
         return transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"no tokenizer could be read from {folder} ({type(e).__name__}: {e}): pass tokenizer=") from e
+        raise ModelLoadError(f"no tokenizer could be read from {folder} ({type(e).__name__}: {e}): {fix}") from e
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict:

@@ -35,17 +35,16 @@ from torch import nn
 
 from ..data import Batch, OnError
 from ..distributed import Processes
-from ..errors import ArgumentError, DataError
+from ..errors import ArgumentError
 from ..modelinfo import model_info
 from ..select import Layers, select
 from ..store.tokens import EXTRA, TokenStore
-from ..tap.controls import as_dtype
 from .batches import TokenForward, TokenSource
-from .corpus import read_corpus
 from .run import _Run, _target, run_job
 from .settings import Verify, _check_same_everywhere, _describe, _settings, _store_meta, _tolerance
-from .tokenizer import default_max_length, default_tokenizer, tokenize, tokenizer_fingerprint
-from .units import TokenPolicy, Units, check_policy
+from .token_plan import pad_id, plan_tokens
+from .tokenizer import tokenizer_fingerprint
+from .units import TokenPolicy, Units
 
 _GRANULE = 256  # chunks are whole multiples of this many rows: their stored pieces stay large
 
@@ -111,22 +110,16 @@ def extract_tokens(
     with the attention mask (see `layertap.extract.batches`).
     """
     names = select(model, layers)
-    check_policy(tokens)
     if batch_size < 1:
         raise ArgumentError(f"batch_size must be at least 1, got {batch_size}")
-    dtype = as_dtype(dtype)
-    corpus = read_corpus(texts, text_field=text_field, id_field=id_field)
-    if limit is not None:
-        corpus.docs, corpus.doc_ids = corpus.docs[:limit], None if corpus.doc_ids is None else corpus.doc_ids[:limit]
-    if tokenizer is None and (not corpus.pretokenized or pack or tokens == "no_special"):
-        tokenizer = default_tokenizer(model)
-    max_length = max_length or default_max_length(model, tokenizer)
-    units = tokenize(corpus, tokenizer, max_length=max_length, pack_documents=pack, tokens=tokens, on_error=on_error)
-    if units.num_rows == 0:
-        raise DataError(f"no token of {corpus.description} is chosen by tokens={_describe(tokens)!r}: nothing to store")
+    plan = plan_tokens(
+        model, texts, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=dtype,
+        text_field=text_field, id_field=id_field, on_error=on_error, limit=limit,
+    )
+    corpus, tokenizer, max_length, units, dtype = plan.corpus, plan.tokenizer, plan.max_length, plan.units, plan.dtype
     out, fmt, _, device, run_device = _target(model, out, format, device, distributed, verify, chunk_size)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    source = TokenSource(units, batch_size=batch_size, pad_id=pad if isinstance(pad, int) else 0, description=corpus.description, doc_ids=corpus.doc_ids)
+    pad = pad_id(tokenizer)
+    source = TokenSource(units, batch_size=batch_size, pad_id=pad, description=corpus.description, doc_ids=corpus.doc_ids)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     policy = {"tokens": _describe(tokens), "max_length": max_length, "pack": pack, "batch_size": batch_size}
 
@@ -138,7 +131,7 @@ def extract_tokens(
         meta = _store_meta(settings, name, source, fmt)
         meta["layers"] = [*names, *EXTRA]  # the arrays' layers: the token arrays are stored as three more
         meta["tokens"] = _card(settings, name, names, units, corpus.doc_ids, dtype)
-        forward = TokenForward(model, names, dtype, run_device, batch_size=batch_size)
+        forward = TokenForward(model, names, dtype, run_device, batch_size=batch_size, pad_id=pad)
         return _TokenRun(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
 
     run_job(make, device, distributed, resume=resume, overwrite=overwrite)
@@ -219,7 +212,7 @@ class _TokenRun(_Run):
         for c in range(store.num_chunks or 0)[procs.rank :: procs.world]:
             start, end = store.chunk_range(c)
             for s in layers:
-                rows = torch.from_numpy(np.ascontiguousarray(store.backend.array(s.path)[start:end]))
+                rows = torch.from_numpy(np.array(store.backend.array(s.path)[start:end]))  # a copy: a memmap's rows are read-only
                 mine[s.key].add(rows.view(torch.bfloat16) if rows.dtype == torch.int16 else rows)
         parts = procs.gather(mine)
 

@@ -136,7 +136,10 @@ class TokenStore:
 
     def read(self, layer: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of ``layer`` as a CPU tensor of the store's dtype (one contiguous read)."""
-        rows = torch.from_numpy(np.ascontiguousarray(self[layer][start:stop]))
+        values = np.ascontiguousarray(self[layer][start:stop])
+        if not values.flags.writeable:  # a NumPy store's memory map: a tensor must own what it may write
+            values = values.copy()
+        rows = torch.from_numpy(values)
         return rows.view(torch.bfloat16) if self.dtype == torch.bfloat16 else rows
 
     @property
