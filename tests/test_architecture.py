@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"features"},
     {"store"},
-    {"stats", "summary", "attention"},
+    {"stats", "summary", "attention", "tokenloader"},
     {"_watch"},
     {"nonfinite", "watch", "cam"},
     {"extract"},

@@ -43,6 +43,7 @@ from .report import build_report
 from .select import select
 from .stats import LayerStats, StatsTable, stats
 from .store import FeatureStore, TokenStore, open_features, open_tokens
+from .tokenloader import TokenLoader
 from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
 from .watch import Watch, WatchWarning, watch
@@ -70,6 +71,7 @@ __all__ = [
     "extract_tokens",
     "open_tokens",
     "TokenStore",
+    "TokenLoader",
     "open_features",
     "FeatureStore",
     "StoreError",
