@@ -43,9 +43,9 @@ from .report import build_report
 from .select import select
 from .stats import LayerStats, StatsTable, stats
 from .store import FeatureStore, TokenStore, open_features, open_tokens
-from .tokenloader import TokenLoader
 from .summary import LayerTable, summary
 from .tap import Inputs, Tap, tap
+from .tokenloader import TokenLoader
 from .watch import Watch, WatchWarning, watch
 
 __version__ = "0.1.0"
