@@ -72,6 +72,16 @@ def test_sdpa_weights_masked_rows_are_zero_as_in_pytorch_kernels():
     close(p, sdpa_reference(q, k, attn_mask=mask))
 
 
+def test_sdpa_weights_rows_a_float_mask_hides_are_zero():
+    q, k = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.randn(2, 1, 4, 5)
+    mask[1, 0, 2] = -math.inf  # every key of one row
+    mask[0, 0, 1, 3] = -math.inf  # one key of another
+    p = sdpa_weights(q, k, attn_mask=mask)
+    assert not p.isnan().any() and p[1, :, 2].eq(0).all() and p[0, :, 2].gt(0).all()
+    close(p, sdpa_reference(q, k, attn_mask=mask))
+
+
 def test_sdpa_weights_half_inputs_give_float32():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
     p = sdpa_weights(q.half(), k.half(), attn_mask=torch.zeros(4, 5, dtype=torch.half))
@@ -458,3 +468,102 @@ def test_to_moves_the_results(timm_vit):
 def test_public_names():
     assert layertap.attention.attention is attention
     assert callable(layertap.attention.sdpa_weights) and callable(layertap.attention.mha_weights)
+
+
+# ---------------------------------------------------------------------------------- rows of padded batches
+PADDED_DOCS = [[5, 9, 17], [40, 41, 42, 43, 44, 45, 46], [7, 7, 8, 100, 3]]
+
+
+def padded_tokens(docs: list[list[int]], side: str) -> dict:
+    """A batch padded on ``side``, with position_ids over the real tokens (a left-padded sequence
+    keeps the positions of its run alone)."""
+    length = max(map(len, docs))
+    ids = torch.zeros(len(docs), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, doc in enumerate(docs):
+        at = slice(0, len(doc)) if side == "right" else slice(length - len(doc), length)
+        ids[i, at], mask[i, at] = torch.tensor(doc), 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+
+
+def assert_rows_of_each_sequence(model: nn.Module, eager: nn.Module, rows: str, side: str) -> None:
+    """rows="cls"/"last" of a padded batch: each sequence's first/last real query, against HF eager
+    run on that sequence alone; the pad keys get zero."""
+    batch = padded_tokens(PADDED_DOCS, side)
+    with torch.no_grad(), attention(model, heads="all", rows=rows) as att:
+        model(**batch)
+    length = batch["input_ids"].size(1)
+    for d, doc in enumerate(PADDED_DOCS):
+        with torch.no_grad():
+            alone = eager(input_ids=torch.tensor([doc]), output_attentions=True).attentions
+        real = batch["attention_mask"][d].bool()
+        assert len(att) == len(alone) > 0
+        for got, want in zip(att.values(), alone):
+            assert got.shape == (len(PADDED_DOCS), want.size(1), 1, length)
+            close(got[d, :, 0, real], want[0, :, 0 if rows == "cls" else -1])
+            assert got[d, :, 0, ~real].eq(0).all()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("rows", ["cls", "last"])
+def test_rows_are_each_sequences_real_tokens_gpt2(rows, side):
+    assert_rows_of_each_sequence(*hf_pair(gpt2()), rows, side)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("rows", ["cls", "last"])
+def test_rows_are_each_sequences_real_tokens_minilm(minilm, rows, side):
+    assert_rows_of_each_sequence(*hf_pair(copy.deepcopy(minilm)), rows, side)
+
+
+class MaskedEncoder(nn.Module):
+    """nn.MultiheadAttention self-attention under the key padding its attention_mask gives."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        seq = x if self.attn.batch_first else x.transpose(0, 1)
+        return self.attn(seq, seq, seq, key_padding_mask=attention_mask == 0, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_mha_rows_are_each_sequences_real_tokens(batch_first):
+    model = MaskedEncoder(batch_first).eval()
+    x = torch.randn(3, 6, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    first, last = [0, 2, 0], [5, 5, 2]
+    with torch.no_grad():
+        for rows, at in (("cls", first), ("last", last)):
+            with attention(model, heads="all", rows=rows) as att:
+                model(x, attention_mask=mask)
+            seq = x if batch_first else x.transpose(0, 1)
+            full = model.attn(seq, seq, seq, key_padding_mask=mask == 0, average_attn_weights=False)[1]
+            close(att["attn"], full[torch.arange(3), :, at][:, :, None])
+
+
+class EagerSelfAttention(nn.Module):
+    """Eager attention under the key padding of its attention_mask: its softmax is the probability."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).view(*x.shape[:2], 2, 2, 4).unbind(2)  # [B, T, heads, 4] each
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / 2
+        scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, -math.inf)
+        return torch.softmax(scores, -1)
+
+
+def test_eager_softmax_rows_are_each_sequences_real_tokens():
+    model = EagerSelfAttention()
+    x = torch.randn(3, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    with torch.no_grad():
+        full = model(x, attention_mask=mask)
+        for rows, at in (("cls", [0, 2, 0]), ("last", [5, 5, 2])):
+            with attention(model, "", heads="all", rows=rows) as att:
+                model(x, attention_mask=mask)
+            close(att[""], full[torch.arange(3), :, at][:, :, None])

@@ -24,11 +24,16 @@ The problem, the rule and the cost:
   The recomputation reads detached views, without autograd, in float32 (float64 for float64
   inputs), so the model's values, outputs and gradients are untouched.
 - Cost: one ``q @ k.T`` and softmax per attention call (plus the query and key projections for
-  ``nn.MultiheadAttention``), and the ``[B, H, Q, K]`` tensor the fused kernel avoided.
-  ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and ``heads="mean"``/``"max"``
-  keeps one head, so what is kept stays small.
+  ``nn.MultiheadAttention``), and the ``[B, H, Q, K]`` tensor the fused kernel avoided. Only two
+  such tensors are made, the scores (scaled and masked in place) and the probabilities: on a CPU
+  each new one of a few MB costs page faults besides its pass (benchmarks/bench_attention.py
+  compares the eager route). ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and
+  ``heads="mean"``/``"max"`` keeps one head, so what is kept stays small.
 - Rows a mask hides completely (every key masked) are all zero, as PyTorch's kernels return them
   (its reference formula would give NaN).
+- Padding: when the model is called with a ``[B, T]`` ``attention_mask`` (Hugging Face models),
+  ``rows="cls"`` and ``"last"`` are each sequence's first and last *real* token, for left and
+  right padding alike (the mask of the running call: `layertap.tap.masks`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from torch import nn
 
 from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
 from .select import Layers, Spec, selection
-from .tap import Inputs, Tap, tap
+from .tap import Inputs, Tap, masks, tap
 from .tap.controls import shares_memory
 
 Heads = Literal["all", "mean", "max"]
@@ -52,6 +57,7 @@ Rows = Literal["all", "cls", "last"]
 HEADS: tuple[str, ...] = ("all", "mean", "max")
 ROWS: tuple[str, ...] = ("all", "cls", "last")
 _ROWS = {"all": slice(None), "cls": slice(0, 1), "last": slice(-1, None)}
+At = slice | torch.Tensor  # the query rows kept: a slice, or one position per batch entry ([B] integers)
 
 
 # ---------------------------------------------------------------------------------- arguments
@@ -69,18 +75,45 @@ def _dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
 
 
-def _softmax(scores: torch.Tensor, masked: bool) -> torch.Tensor:
-    """Softmax over keys; a row whose keys are all masked (-inf) is zero, as PyTorch's kernels give.
-    Only a mask can hide a whole row (a causal row always sees key 0): without one, no second pass."""
+def _softmax(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over keys; the rows ``hidden`` marks (every key masked: only a mask hides a whole row,
+    a causal row always sees key 0) are zero, as PyTorch's kernels give."""
     weights = torch.softmax(scores, -1)
-    if not masked:
-        return weights
-    return weights.masked_fill(scores.amax(-1, keepdim=True) == -math.inf, 0.0)
+    # asking whether any row is hidden costs nothing on a CPU and spares a pass; elsewhere it would wait for the device
+    if hidden is not None and (hidden.device.type != "cpu" or bool(hidden.any())):
+        weights.masked_fill_(hidden, 0.0)
+    return weights
 
 
-def _mask_rows(mask: torch.Tensor, rows: slice) -> torch.Tensor:
+def _take_rows(t: torch.Tensor, rows: At, dims: int) -> torch.Tensor:
+    """The query rows of ``t`` ``[..., Q, X]``: a slice, or one row per batch entry (``t`` then
+    broadcast to ``dims`` dims, its first the batch)."""
+    if isinstance(rows, slice):
+        return t[..., rows, :]
+    t = t.reshape((1,) * (dims - t.dim()) + tuple(t.shape))
+    return torch.take_along_dim(t, rows.view(-1, *(1,) * (dims - 1)), dim=-2)
+
+
+def _mask_rows(mask: torch.Tensor, rows: At, dims: int) -> torch.Tensor:
     """A mask's query rows (a mask broadcast over queries stays as it is)."""
-    return mask[..., rows, :] if mask.dim() >= 2 and mask.size(-2) != 1 else mask
+    return _take_rows(mask, rows, dims) if mask.dim() >= 2 and mask.size(-2) != 1 else mask
+
+
+def _rows_at(rows: str, batch: int, length: int, device: torch.device) -> At:
+    """Where the ``rows`` kept are, for queries ``[batch, ..., length, E]``: under a running
+    ``[batch, length]`` attention_mask, each sequence's first ("cls") or last real token."""
+    real = masks.real_tokens(batch, length) if rows != "all" else None
+    if real is None:
+        return _ROWS[rows]
+    return (masks.first_real(real) if rows == "cls" else masks.last_real(real)).to(device)
+
+
+def _heads(weights: torch.Tensor, heads: str) -> torch.Tensor:
+    if heads == "mean":
+        return weights.mean(1, keepdim=True)
+    if heads == "max":
+        return weights.amax(1, keepdim=True)
+    return weights
 
 
 def reduce_weights(weights: torch.Tensor, heads: Heads = "all", rows: Rows = "all") -> torch.Tensor:
@@ -93,13 +126,7 @@ def reduce_weights(weights: torch.Tensor, heads: Heads = "all", rows: Rows = "al
     torch.Size([2, 1, 1, 5])
     """
     _check(heads, rows)
-    if rows != "all":
-        weights = weights[..., _ROWS[rows], :]
-    if heads == "mean":
-        return weights.mean(1, keepdim=True)
-    if heads == "max":
-        return weights.amax(1, keepdim=True)
-    return weights
+    return _heads(weights if rows == "all" else weights[..., _ROWS[rows], :], heads)
 
 
 # ---------------------------------------------------------------------------------- the formulas
@@ -110,7 +137,7 @@ def _sdpa(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
-    rows: slice,
+    rows: At,
 ) -> torch.Tensor:
     dtype = _dtype(query)
     length, keys = query.size(-2), key.size(-2)
@@ -118,22 +145,29 @@ def _sdpa(
         raise ArgumentError("is_causal=True and an attn_mask cannot both be given (as in F.scaled_dot_product_attention)")
     if attn_mask is not None and hasattr(attn_mask, "_materialize"):  # torch.nn.attention.bias.CausalBias
         attn_mask = attn_mask._materialize(query.device)
-    q = query[..., rows, :].to(dtype)
+    dims = query.dim()
+    q = _take_rows(query, rows, dims).to(dtype)
     k = key.to(dtype)
     if enable_gqa:
         k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
     factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * factor
+    # scaled and masked in place: each new [B, H, Q, K] tensor costs its memory and, on a CPU, its page faults
+    scores = (q @ k.transpose(-2, -1)).mul_(factor)
+    hidden = None
     if is_causal:  # top-left aligned, as PyTorch's is_causal
-        positions = torch.arange(length, device=q.device)[rows]
-        scores = scores.masked_fill(positions[:, None] < torch.arange(keys, device=q.device), -math.inf)
+        at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
+        scores.masked_fill_(at[..., None] < torch.arange(keys, device=q.device), -math.inf)
     if attn_mask is not None:
-        mask = _mask_rows(attn_mask, rows)
+        mask = _mask_rows(attn_mask, rows, dims)
         if mask.dtype == torch.bool:
-            scores = torch.where(mask, scores, -math.inf)
+            blocked = ~mask
+            scores.masked_fill_(blocked, -math.inf)
+            hidden = blocked.all(-1, keepdim=True)
         else:
-            scores = scores + mask.to(dtype)
-    return _softmax(scores, attn_mask is not None)
+            mask = mask.to(dtype)
+            scores.add_(mask)  # a mask broadcasts to the weights' shape (SDPA's own rule)
+            hidden = (mask == -math.inf).all(-1, keepdim=True)
+    return _softmax(scores, hidden)
 
 
 def sdpa_weights(
@@ -173,7 +207,7 @@ def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 
 
 def _project(
-    module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, same: bool, rows: slice, dtype: torch.dtype
+    module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, same: bool, rows: At, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The query rows and keys through the module's query and key projections, ``[L, B, E]``, in ``dtype``."""
     embed = query.shape[-1]
@@ -183,12 +217,14 @@ def _project(
         w_q, w_k = module.q_proj_weight, module.k_proj_weight
     bias = module.in_proj_bias
     b_q, b_k = (None, None) if bias is None else (bias[:embed].to(dtype), bias[embed : 2 * embed].to(dtype))
-    if same and rows == slice(None) and module._qkv_same_embed_dim:
+    if same and isinstance(rows, slice) and rows == slice(None) and module._qkv_same_embed_dim:
         # self-attention: one matrix product makes both projections
         b_qk = None if bias is None else bias[: 2 * embed].to(dtype)
         both = F.linear(query.to(dtype), module.in_proj_weight[: 2 * embed].to(dtype), b_qk)
         return both[..., :embed], both[..., embed:]
-    return F.linear(query[rows].to(dtype), w_q.to(dtype), b_q), F.linear(key.to(dtype), w_k.to(dtype), b_k)
+    # [L, B, E]: one query row per batch entry is taken along dim 0
+    kept = query[rows] if isinstance(rows, slice) else torch.take_along_dim(query, rows.view(1, -1, 1), dim=0)
+    return F.linear(kept.to(dtype), w_q.to(dtype), b_q), F.linear(key.to(dtype), w_k.to(dtype), b_k)
 
 
 def _mha(
@@ -198,7 +234,7 @@ def _mha(
     key_padding_mask: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
     is_causal: bool,
-    rows: slice,
+    rows: At,
 ) -> torch.Tensor:
     # follows F.multi_head_attention_forward with need_weights=True, without value and out projections
     if is_causal and attn_mask is None:
@@ -222,8 +258,9 @@ def _mha(
     q, k = _project(module, query, key, same, rows, dtype)
     mask = _float_mask(attn_mask, dtype)
     padding = _float_mask(key_padding_mask, dtype)
-    if mask is not None:
-        mask = _mask_rows(mask.unsqueeze(0) if mask.dim() == 2 else mask, rows)
+    if mask is not None:  # [B * heads, L, S], batch-major: a batch entry's row for each of its heads
+        mask_rows = rows if isinstance(rows, slice) else rows.repeat_interleave(heads)
+        mask = _mask_rows(mask.unsqueeze(0) if mask.dim() == 2 else mask, mask_rows, 3)
     if module.bias_k is not None:
         k = torch.cat([k, module.bias_k.to(dtype).repeat(1, batch, 1)])
         mask = None if mask is None else F.pad(mask, (0, 1))
@@ -240,7 +277,8 @@ def _mha(
         mask = padding if mask is None else mask + padding
     q = q * math.sqrt(1.0 / head_dim)
     scores = torch.bmm(q, k.transpose(-2, -1)) if mask is None else torch.baddbmm(mask, q, k.transpose(-2, -1))
-    weights = _softmax(scores, mask is not None).view(batch, heads, q.size(1), keys)
+    hidden = None if mask is None else (mask == -math.inf).all(-1, keepdim=True)
+    weights = _softmax(scores, hidden).view(batch, heads, q.size(1), keys)
     return weights if batched else weights[0]
 
 
@@ -426,7 +464,8 @@ class Attention(Mapping[str, torch.Tensor]):
                 self._softmax_last_dim[op.module] = last
             elif self._softmax_last_dim.pop(op.module, False) and op.module not in self._sdpa:
                 weights = _four_d(value)
-                kept = reduce_weights(weights, self.heads, self.rows).to(_dtype(weights))
+                at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
+                kept = _heads(_take_rows(weights, at, 4), self.heads).to(_dtype(weights))
                 self._put(op.module, kept.clone() if shares_memory(kept, weights) else kept)
 
     def _put(self, name: str, weights: torch.Tensor) -> None:
@@ -437,8 +476,10 @@ class Attention(Mapping[str, torch.Tensor]):
     def _from_sdpa(self, value: Any) -> torch.Tensor:
         a = _arguments(value, _SDPA_ARGS)
         causal, gqa = bool(a.get("is_causal", False)), bool(a.get("enable_gqa", False))
-        weights = _sdpa(a["query"], a["key"], a.get("attn_mask"), causal, a.get("scale"), gqa, _ROWS[self.rows])
-        return reduce_weights(_four_d(weights), self.heads)
+        query = a["query"]
+        at = _rows_at(self.rows, query.size(0), query.size(-2), query.device) if query.dim() >= 3 else _ROWS[self.rows]
+        weights = _sdpa(query, a["key"], a.get("attn_mask"), causal, a.get("scale"), gqa, at)
+        return _heads(_four_d(weights), self.heads)
 
     def _from_mha(self, name: str, value: Any) -> torch.Tensor:
         module = self.sites[name]
@@ -448,8 +489,13 @@ class Attention(Mapping[str, torch.Tensor]):
             signature = self._signatures[name] = inspect.signature(type(module).forward)
         a = _arguments(value, signature)
         causal = bool(a.get("is_causal", False))
-        weights = _mha(module, a["query"], a["key"], a.get("key_padding_mask"), a.get("attn_mask"), causal, _ROWS[self.rows])
-        return reduce_weights(_four_d(weights), self.heads)
+        query = a["query"]
+        at: At = _ROWS[self.rows]
+        if query.dim() == 3:  # batched: [B, L, E] or [L, B, E]
+            batch, length = (query.size(0), query.size(1)) if module.batch_first else (query.size(1), query.size(0))
+            at = _rows_at(self.rows, batch, length, query.device)
+        weights = _mha(module, query, a["key"], a.get("key_padding_mask"), a.get("attn_mask"), causal, at)
+        return _heads(_four_d(weights), self.heads)
 
 
 def attention(
@@ -468,8 +514,9 @@ def attention(
             those whose own forward calls neither ``scaled_dot_product_attention`` nor ``softmax``
             (a wrapper such as ``BertAttention``) record nothing.
         heads: ``"all"`` keeps ``[B, H, Q, K]``; ``"mean"`` or ``"max"`` fuse the heads to one.
-        rows: ``"all"`` queries, ``"cls"`` query 0 only or ``"last"`` the last query only (the
-            last *position*: with right padding it is a pad token for the shorter sequences).
+        rows: ``"all"`` queries, ``"cls"`` query 0 only or ``"last"`` the last query only. When
+            the model is called with a ``[B, T]`` ``attention_mask``, they are each sequence's
+            first and last *real* token, whether the batch is padded on the left or the right.
         to: the device results are moved to (default: where the model computes).
 
     How each module is read: an ``nn.MultiheadAttention`` from its inputs (`mha_weights`); any

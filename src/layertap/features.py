@@ -26,6 +26,8 @@ def extract(
     stops after the last chosen layer (``stop_early=False`` runs it all) and, unless
     ``detach=False``, runs without autograd. Other options are those of `layertap.tap`
     (``reduce``, ``dtype``, ``to``, ``keep``, ``edit``). For gradients use `layertap.tap`.
+    ``reduce`` of a padded text batch given with its ``attention_mask`` pools each document's
+    real tokens only, so its feature does not depend on its batch-mates.
 
     >>> import torch, torchvision, layertap
     >>> model = torchvision.models.resnet18()

@@ -12,6 +12,7 @@ Where each part lives (each file's docstring says how its mechanism works):
 - ``pool.py``: the copy pool: the copies' memory per device, kept from one tap to the next,
   bounded, handed back only once the values are dropped, written with streaming stores;
 - ``grads.py``: gradients, hooked on tensors that carry only one edge of a layer;
+- ``masks.py``: the running call's ``attention_mask`` (per thread), and reductions over real tokens;
 - ``ops.py``: op taps through a ``TorchFunctionMode``, and the thread-local in-hook count;
 - ``compiled.py``: compiled modules run eagerly while tapped.
 """

