@@ -193,6 +193,8 @@ class TokenForward:
         self.token_dims: dict[str, int] = {}  # each layer's token dimension, once proven (`_prove`)
         self.bits = dtype == torch.bfloat16
         self.masks = takes_mask(model)
+        params = inspect.signature(model.forward).parameters
+        self.ids_by_name = "input_ids" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
         if not self.masks and batch_size > 1:
             raise ArgumentError(
                 f"{type(model).__name__}.forward takes no attention_mask, so the padding of a batch would change what its "
@@ -202,8 +204,12 @@ class TokenForward:
 
     def _run(self, model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """Each layer's per-token tensor (the first of its output) for one padded batch."""
+        ids, rest = model_inputs["input_ids"], {k: v for k, v in model_inputs.items() if k != "input_ids"}
         with running(self.model), self.tap:
-            run_model(self.model, model_inputs)
+            if self.ids_by_name:
+                run_model(self.model, model_inputs)
+            else:  # a forward whose first argument has another name (TransformerLens' `input`)
+                self.model(ids, **rest)
         return {name: next(iter(nested.tensors(self.tap[name])), None) for name in self.names}
 
     def _prove(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
