@@ -24,12 +24,13 @@ def layertap_process(*args):
     )
 
 
+# the bundled model in the subprocesses: a torchvision one would import torchvision there, seconds each
 def test_subprocess_success_prints_the_table():
-    done = layertap_process("inspect", "torchvision:resnet18", "--input-shape", "1,3,64,64", "--depth", "1")
+    done = layertap_process("inspect", "layertap:shapes", "--input-shape", "1,3,64,64", "--depth", "1")
     assert done.returncode == 0, done.stderr
     lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
-    assert "[1, 512, 2, 2]" in lines["layer4"] and "Sequential" in lines["layer4"]
-    assert "[1, 1000]" in lines["fc"]
+    assert "[1, 128, 8, 8]" in lines["features"] and "Sequential" in lines["features"]
+    assert "[1, 6]" in lines["classifier"]
 
 
 def test_subprocess_usage_error_exits_2():
@@ -39,11 +40,11 @@ def test_subprocess_usage_error_exits_2():
 
 
 def test_subprocess_runtime_failure_exits_1_in_one_line():
-    done = layertap_process("inspect", "torchvision:resnet18", "--input-shape", "1,1,64,64")
+    done = layertap_process("inspect", "layertap:shapes", "--input-shape", "1,1,64,64")
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "layertap: error: layer 'conv1' (Conv2d) raised RuntimeError"
+        "layertap: error: layer 'features.block1.conv' (Conv2d) raised RuntimeError"
     )
     assert "[[1, 1, 64, 64]]" in lines[0]
 

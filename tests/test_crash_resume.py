@@ -19,8 +19,10 @@ import layertap
 from layertap.store.writer import StoreWriter
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
-SAMPLES = 48  # 24 batches, 12 chunks
-MOMENTS = 15  # per format: 45 kills in all
+SAMPLES = 24  # 12 batches, 6 chunks
+# 8 kills per format, 24 in all: before or while the store is made (batch 1), before its first chunk
+# is written (batches 2, 3), and after some chunks (from batch 5 on, to the last)
+MOMENTS = 8
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_killed_at_any_moment_a_run_resumes_to_the_same_store(server, array, tmp
         batches = server.Value("i", 0)
         run = server.Process(target=slow_model.extract_counting, args=(str(array), str(out), fmt, batches))
         run.start()
-        target = 1 + moment * (SAMPLES // 2 - 2) // MOMENTS  # spread over the run's batches
+        target = 1 + moment * (SAMPLES // 2 - 2) // (MOMENTS - 1)  # spread over the run's batches, to the last
         deadline = time.monotonic() + 60
         while batches.value < target and run.is_alive() and time.monotonic() < deadline:
             time.sleep(0.0005)

@@ -1,7 +1,12 @@
 """Extraction under torchrun: processes share one store, chunk by chunk, and resume with any number.
 
 The jobs are real: `torch.distributed.run` starts 2 or 3 processes on the CPU (Gloo), running
-``python -m layertap extract`` as a user would.
+the ``layertap`` command as a user would (``python -m layertap extract``, or its `run` from a
+script). Every process of a launch imports torch, seconds each: so one job of 2 processes
+(`scenarios`) plays every scenario that kills no process, one after the other, in one process
+group that the script makes, and each test reads what its scenario said. The jobs in which
+``python -m layertap`` makes its own process group and takes it down are those of the test that
+kills a rank and resumes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,7 @@ import slow_model
 import torch
 
 import layertap
+from layertap.cli import run
 from layertap.distributed import job, launched, rank_device
 from layertap.extract.run import _chunk_size as chunk_size
 from layertap.extract.run import _plan as dataset_plan
@@ -29,6 +36,7 @@ from layertap.store.writer import StoreWriter
 
 TESTS = str(Path(__file__).parent)  # on PYTHONPATH: subprocesses load slow_model from here
 LAYERS = ["--layers", "features.block2", "--layers", "features.block4.relu4", "--layers", "classifier"]
+FORMATS = ["zarr", "npy", "zarr URL"]  # a URL goes through fsspec, as an object store's (s3://...) would
 
 
 def cli(*args: str, procs: int | None = None, env: dict | None = None, **options) -> subprocess.CompletedProcess:
@@ -38,16 +46,6 @@ def cli(*args: str, procs: int | None = None, env: dict | None = None, **options
     # one thread per process, as torchrun gives each: the same arithmetic, bit for bit
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=300, **options)
-
-
-def torchrun_script(tmp_path: Path, text: str, *args: str) -> subprocess.CompletedProcess:
-    """``text`` run as a script (with ``args``) by 2 processes under torchrun; it must succeed."""
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(text))
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    done = subprocess.run([sys.executable, *launcher, str(script), *args], capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 def markers(path: Path) -> dict[int, dict]:
@@ -67,19 +65,158 @@ def images(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("format", ["zarr", "npy", "zarr URL"])
-def test_two_processes_write_the_store_one_process_writes(images, tmp_path, format):
-    common = ["layertap:shapes", str(images), *LAYERS, "--batch-size", "4", "--chunk-size", "8", "--workers", "0", "--on-error", "skip"]
-    common += ["--format", format.split()[0]]
-    # a URL goes through fsspec, as an object store's (s3://...) would
-    two_out = f"file://{tmp_path / 'two'}" if format.endswith("URL") else str(tmp_path / "two")
-    two = cli("extract", *common, "--out", two_out, procs=2)
-    assert two.returncode == 0, two.stderr
-    assert two.stdout.count("wrote 44 samples") == 1  # rank 0 speaks for the job
-    one = cli("extract", *common, "--out", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
+def shapes_command(images: Path, format: str, out: str) -> list[str]:
+    """``layertap extract`` of the shapes images in ``format``, the same for 1 process and for 2."""
+    options = ["--batch-size", "4", "--chunk-size", "8", "--workers", "0", "--on-error", "skip", "--format", format.split()[0]]
+    return ["extract", "layertap:shapes", str(images), *LAYERS, *options, "--out", out]
 
-    a, b = layertap.open_features(tmp_path / "one"), layertap.open_features(tmp_path / "two")
+
+# the scenarios of one job of 2 processes, in turn; each line it prints starts with the scenario's name
+SCENARIOS = """
+import contextlib, io, json, os, sys
+import torch
+from torch.nn.parallel import DistributedDataParallel
+import layertap
+from layertap.cli import run
+from layertap.distributed import job
+from layertap.store import StoreError
+
+folder = sys.argv[1]
+rank = int(os.environ["RANK"])
+# one process group for all the scenarios, which layertap uses as it is: a group made again after
+# one is destroyed reuses its rendezvous keys, and Gloo may connect to the old addresses
+torch.distributed.init_process_group("gloo")
+
+def say(scenario, line):
+    sys.stdout.write(f"{scenario}: rank {rank}: {line}\\n")  # one write: lines of processes do not mix
+    sys.stdout.flush()
+
+# the command, as `python -m layertap` runs it: its exit code, and what it wrote to stderr
+with open(os.path.join(folder, "commands.json")) as f:
+    commands = json.load(f)
+for name, argv in commands.items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(argv)
+    with open(os.path.join(folder, f"{name}.rank{rank}.stderr"), "w") as f:
+        f.write(err.getvalue())
+    say(name, f"exit {code}")
+
+# another checkpoint on rank 1: one weight differs (the old sampled fingerprint read every 16th)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 1, bias=False), torch.nn.AdaptiveAvgPool2d(1)).eval()
+if rank == 1:
+    with torch.no_grad():
+        model[0].weight[0, 1] += 0.5
+x = torch.randn(96, 64, 2, 2, generator=torch.Generator().manual_seed(1))
+try:
+    layertap.extract_dataset(model, x, "1", os.path.join(folder, "one-weight.zarr"), batch_size=8, progress=False)
+    say("one weight", "done")
+except Exception as e:
+    say("one weight", f"{type(e).__name__}: {e}")
+
+class Net(torch.nn.Module):
+    \"\"\"resnet's names (layer2, fc) and its batch norm, whose buffers DDP broadcasts, in a few weights\"\"\"
+    def __init__(self):
+        super().__init__()
+        self.layer1 = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+        self.layer2 = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, stride=2), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.layer2(self.layer1(x)).mean((2, 3)))
+
+with job() as procs:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(procs.rank))  # each rank: its own samples
+    with layertap.tap(ddp, ["layer2", "module.fc"], capture=("output", "grad")) as t:
+        ddp(x).square().sum().backward()
+    reference = layertap.extract(model, x, ["layer2", "fc"])
+    ok = torch.allclose(t["layer2"], reference["layer2"], atol=1e-6) and torch.allclose(t["module.fc"], reference["fc"], atol=1e-6)
+    grad_ok = torch.allclose(t.grads["module.fc"], 2 * reference["fc"], atol=1e-5)
+    say("ddp", f"batch {t['layer2'].shape[0]} same {ok} grad {grad_ok}")
+
+# last: a rank that fails leaves its error in the launcher's store, where later failures would find it
+def broken():
+    raise StoreError("rank 0 could not make it")
+
+with job() as procs:
+    for step in (lambda: procs.share(broken), lambda: procs.share(lambda: [procs.rank, "made"])):
+        try:
+            say("collectives", repr(step()))
+        except Exception as e:
+            say("collectives", f"{type(e).__name__}: {e}")
+
+    def work():
+        if procs.rank == 1:
+            raise ValueError("rank 1 broke")
+        return "fine"
+    try:
+        say("collectives", repr(procs.together(work)))
+    except Exception as e:  # rank 1 leaves at once, without waiting for rank 0
+        say("collectives", f"{type(e).__name__}: {e}")
+torch.distributed.destroy_process_group()  # rank 1's: rank 0, still waiting for it, finds it gone
+"""
+
+DIFFERENT = """
+import os, torch
+
+def seeded_by_rank():
+    torch.manual_seed(int(os.environ["RANK"]))  # a mistake: every process gets other random weights
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
+"""
+
+
+@dataclass
+class Scenarios:
+    """What the job of `SCENARIOS` wrote, in ``folder``, and printed."""
+
+    folder: Path
+    stdout: str
+
+    def said(self, scenario: str) -> set[str]:
+        """The lines ``rank N: ...`` that ``scenario`` printed."""
+        prefix = f"{scenario}: "
+        return {line.removeprefix(prefix) for line in self.stdout.splitlines() if line.startswith(prefix)}
+
+    def stderr(self, command: str) -> str:
+        """What ``command`` wrote to stderr, on both ranks."""
+        return "".join((self.folder / f"{command}.rank{rank}.stderr").read_text() for rank in (0, 1))
+
+
+@pytest.fixture(scope="module")
+def scenarios(images, tmp_path_factory) -> Scenarios:
+    folder = tmp_path_factory.mktemp("scenarios")
+    (folder / "different.py").write_text(textwrap.dedent(DIFFERENT))
+    np.save(folder / "x.npy", np.zeros((16, 3, 2, 2), dtype=np.float32))
+    commands = {format: shapes_command(images, format, two_out(folder, format)) for format in FORMATS}
+    commands["different"] = ["extract", "different:seeded_by_rank", str(folder / "x.npy"), "--layers", "1", "--out", str(folder / "different.zarr")]
+    (folder / "commands.json").write_text(json.dumps(commands))
+    (folder / "script.py").write_text(SCENARIOS)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder)}  # PYTHONPATH: the model spec different:...
+    done = subprocess.run([sys.executable, *launcher, str(folder / "script.py"), str(folder)], capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr
+    return Scenarios(folder, done.stdout)
+
+
+def two_out(folder: Path, format: str) -> str:
+    """Where the job of 2 processes writes ``format``: a file:// URL for "zarr URL"."""
+    path = folder / f"two-{format.replace(' ', '-')}"
+    return f"file://{path}" if format.endswith("URL") else str(path)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_two_processes_write_the_store_one_process_writes(images, scenarios, tmp_path, one_thread, format):
+    assert scenarios.said(format) == {"rank 0: exit 0", "rank 1: exit 0"}, scenarios.stderr(format)
+    target = two_out(scenarios.folder, format)
+    assert scenarios.stdout.count(f"wrote 44 samples to {target} (") == 1  # rank 0 speaks for the job
+    # one_thread: as each process of the job ran, the same arithmetic, bit for bit
+    assert run(shapes_command(images, format, str(tmp_path / "one"))) == 0
+
+    a, b = layertap.open_features(tmp_path / "one"), layertap.open_features(target.removeprefix("file://"))
     assert b.complete and list(a) == list(b) == ["features.block2", "features.block4.relu4", "classifier"]
     for key in a:
         assert a[key].shape == b[key].shape and np.array_equal(a.to_numpy(key), b.to_numpy(key), equal_nan=True), key
@@ -88,10 +225,40 @@ def test_two_processes_write_the_store_one_process_writes(images, tmp_path, form
     assert np.isnan(b.to_numpy("classifier")[10]).all() and not np.isnan(np.delete(b.to_numpy("classifier"), 10, 0)).any()
     assert b.meta["classes"] == a.meta["classes"] and b.meta["root"] == str(images.absolute())
     # 6 chunks of 8 samples, dealt out in turn: each process wrote its own
-    assert {c: m["process"] for c, m in markers(tmp_path / "two").items()} == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
+    assert {c: m["process"] for c, m in markers(Path(target.removeprefix("file://"))).items()} == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
 
 
-def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_path):
+def test_one_failing_rank_fails_every_rank_instead_of_leaving_them_waiting(scenarios):
+    lines = scenarios.said("collectives")
+    assert {"rank 0: StoreError: rank 0 could not make it", "rank 1: StoreError: rank 0 could not make it"} <= lines
+    assert {"rank 0: [0, 'made']", "rank 1: [0, 'made']"} <= lines  # made on rank 0, given to all
+    assert "rank 1: ValueError: rank 1 broke" in lines  # its own error
+    # rank 0 finds its peer gone, and says why from what rank 1 left in the launcher's store
+    assert any(line.startswith("rank 0: RankFailedError: rank 1 of 2: ValueError: rank 1 broke; the whole chunks") for line in lines), lines
+
+
+def test_processes_with_different_weights_are_refused(scenarios):
+    said, stderr = scenarios.said("different"), scenarios.stderr("different")
+    assert len(said) == 2 and "rank 0: exit 0" not in said and "rank 1: exit 0" not in said, said
+    assert "rank 1 of 2 has other settings than rank 0: model (fingerprint" in stderr, stderr
+    assert "every process must load the same model" in stderr
+    assert not (scenarios.folder / "different.zarr").exists()
+
+
+def test_ranks_whose_weights_differ_anywhere_are_all_stopped_before_the_first_batch(scenarios):
+    lines = sorted(scenarios.said("one weight"))
+    said = [line.split(": ", 1)[1] for line in lines]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"] and said[0] == said[1], lines  # one line, the same on every rank
+    assert said[0].startswith("StoreError: rank 1 of 2 has other settings than rank 0: model (fingerprint of its state, tree and code) '"), lines
+    assert said[0].endswith("every process must load the same model (seed random weights) and read the same data")
+    assert not (scenarios.folder / "one-weight.zarr").exists()  # before the first batch: nothing was written
+
+
+def test_under_ddp_each_rank_taps_its_own_replica(scenarios):
+    assert scenarios.said("ddp") == {"rank 0: batch 2 same True grad True", "rank 1: batch 2 same True grad True"}
+
+
+def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_path, one_thread):
     data = tmp_path / "x.npy"
     np.save(data, np.random.default_rng(0).standard_normal((60, 3, 32, 32), dtype=np.float32))
     out = tmp_path / "f.zarr"
@@ -124,106 +291,12 @@ def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_pa
     written = markers(out)
     assert {m["process"] for c, m in written.items() if c not in done} == {0, 1, 2}
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each process of the job ran: the same arithmetic, bit for bit
-    try:
-        whole = layertap.extract_dataset(slow_model.Slow(), str(data), ["conv", "pool"], tmp_path / "whole.zarr", batch_size=4, chunk_size=8, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    # one_thread: as each process of the job ran, the same arithmetic, bit for bit
+    whole = layertap.extract_dataset(slow_model.Slow(), str(data), ["conv", "pool"], tmp_path / "whole.zarr", batch_size=4, chunk_size=8, progress=False)
     store = layertap.open_features(out)
     assert store.complete
     for key in whole:
         assert np.array_equal(store.to_numpy(key), whole.to_numpy(key)), key
-
-
-COLLECTIVES = """
-import sys
-from layertap.distributed import job
-from layertap.store import StoreError
-
-def say(line):
-    sys.stdout.write(line + "\\n")  # one write: lines of processes do not mix
-    sys.stdout.flush()
-
-def broken():
-    raise StoreError("rank 0 could not make it")
-
-with job() as procs:
-    for step in (lambda: procs.share(broken), lambda: procs.share(lambda: [procs.rank, "made"])):
-        try:
-            say(f"rank {procs.rank}: {step()!r}")
-        except Exception as e:
-            say(f"rank {procs.rank}: {type(e).__name__}: {e}")
-
-    def work():
-        if procs.rank == 1:
-            raise ValueError("rank 1 broke")
-        return "fine"
-    try:
-        say(f"rank {procs.rank}: {procs.together(work)!r}")
-    except Exception as e:  # rank 1 leaves at once, without waiting for rank 0
-        say(f"rank {procs.rank}: {type(e).__name__}: {e}")
-"""
-
-
-def test_one_failing_rank_fails_every_rank_instead_of_leaving_them_waiting(tmp_path):
-    lines = set(torchrun_script(tmp_path, COLLECTIVES).stdout.splitlines())
-    assert {"rank 0: StoreError: rank 0 could not make it", "rank 1: StoreError: rank 0 could not make it"} <= lines
-    assert {"rank 0: [0, 'made']", "rank 1: [0, 'made']"} <= lines  # made on rank 0, given to all
-    assert "rank 1: ValueError: rank 1 broke" in lines  # its own error
-    # rank 0 finds its peer gone, and says why from what rank 1 left in the launcher's store
-    assert any(line.startswith("rank 0: RankFailedError: rank 1 of 2: ValueError: rank 1 broke; the whole chunks") for line in lines), lines
-
-
-DIFFERENT = """
-import os, torch
-
-def seeded_by_rank():
-    torch.manual_seed(int(os.environ["RANK"]))  # a mistake: every process gets other random weights
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))
-"""
-
-
-def test_processes_with_different_weights_are_refused(tmp_path):
-    (tmp_path / "different.py").write_text(textwrap.dedent(DIFFERENT))
-    data = tmp_path / "x.npy"
-    np.save(data, np.zeros((16, 3, 2, 2), dtype=np.float32))
-    out = tmp_path / "f.zarr"
-    done = cli("extract", "different:seeded_by_rank", str(data), "--layers", "1", "--out", str(out), procs=2, env={"PYTHONPATH": str(tmp_path)})
-    assert done.returncode != 0
-    assert "rank 1 of 2 has other settings than rank 0: model (fingerprint" in done.stderr, done.stderr
-    assert "every process must load the same model" in done.stderr
-    assert not out.exists()
-
-
-ONE_WEIGHT = """
-import os, sys, torch, layertap
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 1, bias=False), torch.nn.AdaptiveAvgPool2d(1)).eval()
-rank = int(os.environ["RANK"])
-if rank == 1:  # another checkpoint: one weight differs (the old sampled fingerprint read every 16th)
-    with torch.no_grad():
-        model[0].weight[0, 1] += 0.5
-x = torch.randn(96, 64, 2, 2, generator=torch.Generator().manual_seed(1))
-try:
-    layertap.extract_dataset(model, x, "1", sys.argv[1], batch_size=8, progress=False)
-    line = "done"
-except Exception as e:
-    line = f"{type(e).__name__}: {e}"
-sys.stdout.write(f"rank {rank}: {line}\\n")  # one write: lines of processes do not mix
-sys.stdout.flush()
-"""
-
-
-def test_ranks_whose_weights_differ_anywhere_are_all_stopped_before_the_first_batch(tmp_path):
-    out = tmp_path / "f.zarr"
-    lines = sorted(torchrun_script(tmp_path, ONE_WEIGHT, str(out)).stdout.splitlines())
-    said = [line.split(": ", 1)[1] for line in lines]
-    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"] and said[0] == said[1], lines  # one line, the same on every rank
-    assert said[0].startswith("StoreError: rank 1 of 2 has other settings than rank 0: model (fingerprint of its state, tree and code) '"), lines
-    assert said[0].endswith("every process must load the same model (seed random weights) and read the same data")
-    assert not out.exists()  # before the first batch: nothing was written
 
 
 # ------------------------------------------------------------ in one process: the pieces
@@ -318,30 +391,6 @@ def test_every_process_gets_a_few_chunks_even_of_a_small_dataset():
 
 def test_random_weights_are_the_same_in_every_process_that_loads_them():
     state = torch.random.get_rng_state()
-    a, b = layertap.load_model("torchvision:resnet18"), layertap.load_model("torchvision:resnet18")
+    a, b = layertap.load_model("torchvision:squeezenet1_1"), layertap.load_model("torchvision:squeezenet1_1")  # a small one
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random stream is left alone
-
-
-DDP = """
-import sys, torch, torchvision, layertap
-from torch.nn.parallel import DistributedDataParallel
-from layertap.distributed import job
-
-with job() as procs:
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10)
-    ddp = DistributedDataParallel(model)
-    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(procs.rank))  # each rank: its own samples
-    with layertap.tap(ddp, ["layer2", "module.fc"], capture=("output", "grad")) as t:
-        ddp(x).square().sum().backward()
-    reference = layertap.extract(model, x, ["layer2", "fc"])
-    ok = torch.allclose(t["layer2"], reference["layer2"], atol=1e-6) and torch.allclose(t["module.fc"], reference["fc"], atol=1e-6)
-    grad_ok = torch.allclose(t.grads["module.fc"], 2 * reference["fc"], atol=1e-5)
-    sys.stdout.write(f"rank {procs.rank}: batch {t['layer2'].shape[0]} same {ok} grad {grad_ok}\\n")  # one write
-    sys.stdout.flush()
-"""
-
-
-def test_under_ddp_each_rank_taps_its_own_replica(tmp_path):
-    assert set(torchrun_script(tmp_path, DDP).stdout.splitlines()) == {"rank 0: batch 2 same True grad True", "rank 1: batch 2 same True grad True"}

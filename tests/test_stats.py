@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torchvision
 from torch import nn
 
 import layertap
@@ -71,6 +70,9 @@ class Pair(nn.Module):
 
 @pytest.fixture(scope="module")
 def resnet():
+    # imported here, not above: each Gloo rank below is a spawned process that imports this module
+    import torchvision
+
     torch.manual_seed(0)
     return torchvision.models.resnet18().eval()
 
