@@ -1,5 +1,6 @@
 """Small models that several test files share."""
 
+import torch
 from torch import nn
 
 
@@ -15,3 +16,15 @@ class Reordered(nn.Module):
 
     def forward(self, x):
         return self.head(self.act(self.body(self.act(x))))
+
+
+def padded_tokens(docs: list[list[int]], side: str) -> dict:
+    """Token ids padded on ``side`` into one batch, with the attention mask and position_ids over
+    the real tokens (a left-padded document keeps the positions of its run alone)."""
+    length = max(map(len, docs))
+    ids = torch.zeros(len(docs), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, doc in enumerate(docs):
+        at = slice(0, len(doc)) if side == "right" else slice(length - len(doc), length)
+        ids[i, at], mask[i, at] = torch.tensor(doc), 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from models import padded_tokens
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -472,18 +473,6 @@ def test_public_names():
 
 # ---------------------------------------------------------------------------------- rows of padded batches
 PADDED_DOCS = [[5, 9, 17], [40, 41, 42, 43, 44, 45, 46], [7, 7, 8, 100, 3]]
-
-
-def padded_tokens(docs: list[list[int]], side: str) -> dict:
-    """A batch padded on ``side``, with position_ids over the real tokens (a left-padded sequence
-    keeps the positions of its run alone)."""
-    length = max(map(len, docs))
-    ids = torch.zeros(len(docs), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, doc in enumerate(docs):
-        at = slice(0, len(doc)) if side == "right" else slice(length - len(doc), length)
-        ids[i, at], mask[i, at] = torch.tensor(doc), 1
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
 
 
 def assert_rows_of_each_sequence(model: nn.Module, eager: nn.Module, rows: str, side: str) -> None:

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from models import padded_tokens
 from torch import nn
 
 import layertap
@@ -254,21 +255,12 @@ GPT2_LAYERS = {"drop": 0, "h.0": 1, "ln_f": 2}  # -> hidden_states index
 GPT2_DOCS = [[5, 9, 17], [40, 41, 42, 43, 44, 45, 46], [7, 7, 8, 100, 3]]
 
 
-def padded_ids(docs: list[list[int]], side: str) -> dict:
-    length = max(map(len, docs))
-    ids = torch.zeros(len(docs), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, doc in enumerate(docs):
-        at = slice(0, len(doc)) if side == "right" else slice(length - len(doc), length)
-        ids[i, at], mask[i, at] = torch.tensor(doc), 1
-    return with_positions({"input_ids": ids, "attention_mask": mask})
-
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_gpt2_last_is_the_last_real_token(gpt2, side):
     with torch.no_grad():
         alone = [gpt2(input_ids=torch.tensor([doc]), output_hidden_states=True).hidden_states for doc in GPT2_DOCS]
-        batch = padded_ids(GPT2_DOCS, side)
+        batch = padded_tokens(GPT2_DOCS, side)
         with layertap.tap(gpt2, list(GPT2_LAYERS), reduce="last") as t:
             gpt2(**batch)
         feats = layertap.extract(gpt2, batch, list(GPT2_LAYERS), reduce="last")

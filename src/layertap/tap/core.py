@@ -152,6 +152,7 @@ class Tap(Mapping):
         if self._ops and self._kept.parallel:
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce)
+        self._masks = options.reduce is not None or self._observe is not None  # who may read the call's mask (masks.py)
         self._grads = Grads(self._transform, self._observe, self.keep, _weak(self._put_grads))
         self._copies = Copies()
         # only a tap that may keep a tensor of the network's own learns about in-place ops: a reduction always makes a fresh one
@@ -242,7 +243,8 @@ class Tap(Mapping):
         if self._ops:
             self._ops.register(handles, self._restore)
         # the call's attention_mask for the reductions, until the root's own hook has run: hooked last
-        handles += masks.watch(root)
+        if self._masks:
+            handles += masks.watch(root)
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._fired.clear()
