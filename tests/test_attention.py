@@ -556,3 +556,45 @@ def test_eager_softmax_rows_are_each_sequences_real_tokens():
             with attention(model, "", heads="all", rows=rows) as att:
                 model(x, attention_mask=mask)
             close(att[""], full[torch.arange(3), :, at][:, :, None])
+
+
+def test_hf_eager_attention_softmax_with_dim_by_keyword_equals_output_attentions():
+    # HF's eager_attention_forward calls nn.functional.softmax(attn_weights, dim=-1): dim by keyword
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=128, attn_implementation="eager")).eval()
+    inputs = tokens(128, pad=True)
+    with torch.no_grad():
+        expected = model(**inputs, output_attentions=True).attentions
+        with attention(model, heads="all") as att:
+            model(**inputs)
+    assert list(att) == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
+    for got, want in zip(att.values(), expected):
+        close(got, want)
+
+
+class KeywordSoftmax(nn.Module):  # hub-style eager attention: softmax's dim by keyword, in each spelling
+    def __init__(self, spelling: str, dim: int) -> None:
+        super().__init__()
+        self.spelling, self.dim = spelling, dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.transpose(-2, -1)
+        softmax = {"torch": torch.softmax, "F": F.softmax, "method": torch.Tensor.softmax}[self.spelling]
+        return softmax(scores, dim=self.dim)
+
+
+@pytest.mark.parametrize("spelling", ["torch", "F", "method"])
+def test_softmax_with_dim_by_keyword_is_attention_over_the_last_dim_only(spelling):
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4)
+    model = KeywordSoftmax(spelling, dim=-1)
+    for dim in (-1, 3, 2):  # the last dim, the last counted from the front, the queries (not attention)
+        model.dim = dim
+        with attention(model, "", heads="all") as att:
+            model(q, k)
+        if dim == 2:
+            with pytest.raises(LayerNotRunError, match="neither scaled_dot_product_attention nor softmax"):
+                att[""]
+        else:
+            close(att[""], torch.softmax(q @ k.transpose(-2, -1), -1))

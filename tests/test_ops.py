@@ -154,6 +154,29 @@ def test_the_input_of_an_op_on_one_tensor_is_that_tensor():
     assert (taps.inputs[":relu"] < 0).any() and torch.equal(taps[":relu"], taps["features"].relu())
 
 
+class KeywordSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(x * 2, dim=0)
+
+
+def test_running_call_gives_the_options_an_op_on_one_tensor_got():
+    from layertap.tap.ops import running_call
+
+    seen = []
+
+    def observe(name, kind, call, value):
+        seen.append((kind, value, running_call()))
+
+    x = torch.randn(3, 4)
+    with layertap.tap(KeywordSoftmax(), ":softmax", capture=("input", "output"), observe=observe) as taps:
+        taps.model(x)
+    (kind, value, (func, args, kwargs)), (out_kind, out, out_call) = seen
+    assert kind == "input" and func is F.softmax and kwargs["dim"] == 0
+    assert torch.equal(value, x * 2) and torch.equal(args[0], x * 2)  # the tensor alone is what the tap gives
+    assert out_kind == "output" and torch.equal(out, F.softmax(x * 2, dim=0)) and out_call[2]["dim"] == 0
+    assert running_call() is None
+
+
 def test_in_place_op_keeps_its_value_across_forwards_on_resnet():
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()

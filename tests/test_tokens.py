@@ -173,10 +173,19 @@ def test_minilm_rows_equal_each_document_run_alone(minilm, tmp_path):
     assert store.card["max_length"] == 512 and store["encoder.layer.5"].shape == (len(store), 384)
 
 
-def test_minilm_without_a_tokenizer_uses_the_one_saved_beside_it(minilm, tmp_path):
-    store = layertap.extract_tokens(minilm.model, TEXTS[:3], "encoder.layer.0", out=tmp_path / "d.zarr", progress=False)
+def test_minilm_without_a_tokenizer_uses_the_one_saved_beside_it(one_thread, tmp_path):
+    model = layertap.load_model(f"hf:{tm.minilm_path()}")
+    store = layertap.extract_tokens(model, TEXTS[:3], "encoder.layer.0", out=tmp_path / "d.zarr", progress=False)
     saved = transformers.AutoTokenizer.from_pretrained(tm.minilm_path())
     assert np.array_equal(np.asarray(store.token_ids), np.concatenate([saved(t)["input_ids"] for t in TEXTS[:3]]))
+
+
+def test_a_folder_named_inside_a_config_is_never_read_for_a_tokenizer(minilm, tmp_path):
+    # from_pretrained sets _name_or_path, and so can any config.json: layertap follows only a folder the user named
+    assert minilm.model.config._name_or_path == str(tm.minilm_path())
+    with pytest.raises(layertap.errors.ArgumentError, match="pass tokenizer="):
+        layertap.extract_tokens(minilm.model, TEXTS[:3], "encoder.layer.0", out=tmp_path / "d.zarr", progress=False)
+    assert not (tmp_path / "d.zarr").exists()
 
 
 @pytest.mark.parametrize("tokens", ["real", "all", "no_special", "last", odd_rule], ids=["real", "all", "no_special", "last", "callable"])

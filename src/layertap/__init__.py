@@ -34,6 +34,7 @@ from .errors import (
     TapError,
 )
 from .extract import extract_dataset, extract_tokens
+from .extract.plan import Plan, plan
 from .features import FeatureExtractor, extract
 from .loading import load_model
 from .modelinfo import ModelInfo, model_info
@@ -69,6 +70,8 @@ __all__ = [
     "FeatureExtractor",
     "extract_dataset",
     "extract_tokens",
+    "plan",
+    "Plan",
     "open_tokens",
     "TokenStore",
     "TokenLoader",

@@ -18,14 +18,16 @@ The problem, the rule and the cost:
   formula), or the inputs of an ``nn.MultiheadAttention`` through its query and key projections
   only (`mha_weights`, the module's own ``need_weights=True`` formula; its softmax runs inside
   one torch function, out of an op tap's sight). An eager ``softmax`` over the keys in an
-  attention module's own forward already is the probability: it is taken as it is.
+  attention module's own forward already is the probability: it is taken as it is (its dim,
+  positional or by keyword, read from the call: `layertap.tap.ops.running_call`).
 - The arguments are read by `layertap.tap` (an op tap, or a module input tap for
   ``nn.MultiheadAttention``) with ``observe=``: they are used inside the call and never kept.
   The recomputation reads detached views, without autograd, in float32 (float64 for float64
   inputs), so the model's values, outputs and gradients are untouched.
 - Cost: one ``q @ k.T`` and softmax per attention call (plus the query and key projections for
   ``nn.MultiheadAttention``), and the ``[B, H, Q, K]`` tensor the fused kernel avoided. Only two
-  such tensors are made, the scores (scaled and masked in place) and the probabilities: on a CPU
+  such tensors are made, the scores (scaled and masked in place) and the probabilities, and a
+  mask's additive bias once for all the layers given that mask: on a CPU
   each new one of a few MB costs page faults besides its pass (benchmarks/bench_attention.py
   compares the eager route). ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and
   ``heads="mean"``/``"max"`` keeps one head, so what is kept stays small.
@@ -51,6 +53,7 @@ from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapErro
 from .select import Layers, Spec, selection
 from .tap import Inputs, Tap, masks, tap
 from .tap.controls import shares_memory
+from .tap.ops import running_call
 
 Heads = Literal["all", "mean", "max"]
 Rows = Literal["all", "cls", "last"]
@@ -130,6 +133,38 @@ def reduce_weights(weights: torch.Tensor, heads: Heads = "all", rows: Rows = "al
 
 
 # ---------------------------------------------------------------------------------- the formulas
+class _Terms:
+    """What a mask adds to the scores: ``bias`` (0 or -inf for a boolean mask, the float mask
+    itself otherwise) and ``hidden``, the rows it hides completely (None: none, as known on a CPU).
+
+    Made once per mask: a model hands the same mask to every layer, and an additive float bias
+    costs one pass over the scores where a boolean mask costs a slower masked fill."""
+
+    __slots__ = ("bias", "hidden", "key", "mask")
+
+    def __init__(self, mask: torch.Tensor, rows: At, dims: int, dtype: torch.dtype) -> None:
+        kept = _mask_rows(mask, rows, dims)
+        if kept.dtype == torch.bool:
+            bias = torch.zeros(kept.shape, dtype=dtype, device=kept.device).masked_fill_(~kept, -math.inf)
+            hidden = ~kept.any(-1, keepdim=True)
+        else:
+            bias = kept.to(dtype)
+            hidden = (bias == -math.inf).all(-1, keepdim=True)
+        # asking whether any row is hidden costs nothing on a CPU and spares a pass; elsewhere it would wait for the device
+        self.bias = bias
+        self.hidden = hidden if hidden.device.type != "cpu" or bool(hidden.any()) else None
+        self.key = _terms_key(mask, rows, dtype)
+        self.mask = mask
+
+
+def _terms_key(mask: torch.Tensor, rows: At, dtype: torch.dtype) -> tuple | None:
+    """Which mask ``_Terms`` were made from (None: rows per batch entry, made anew each call); the
+    ``_Terms`` hold the mask alive, so its memory is not another mask's while they are kept."""
+    if not isinstance(rows, slice):
+        return None
+    return (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask.device, mask._version, rows.indices(1 << 62), dtype)
+
+
 def _sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -138,13 +173,13 @@ def _sdpa(
     scale: float | None,
     enable_gqa: bool,
     rows: At,
+    terms: _Terms | None = None,
 ) -> torch.Tensor:
+    """The probabilities (`sdpa_weights`); ``terms``: those of ``attn_mask``, made before."""
     dtype = _dtype(query)
     length, keys = query.size(-2), key.size(-2)
     if is_causal and attn_mask is not None:
         raise ArgumentError("is_causal=True and an attn_mask cannot both be given (as in F.scaled_dot_product_attention)")
-    if attn_mask is not None and hasattr(attn_mask, "_materialize"):  # torch.nn.attention.bias.CausalBias
-        attn_mask = attn_mask._materialize(query.device)
     dims = query.dim()
     q = _take_rows(query, rows, dims).to(dtype)
     k = key.to(dtype)
@@ -158,16 +193,19 @@ def _sdpa(
         at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
         scores.masked_fill_(at[..., None] < torch.arange(keys, device=q.device), -math.inf)
     if attn_mask is not None:
-        mask = _mask_rows(attn_mask, rows, dims)
-        if mask.dtype == torch.bool:
-            blocked = ~mask
-            scores.masked_fill_(blocked, -math.inf)
-            hidden = blocked.all(-1, keepdim=True)
-        else:
-            mask = mask.to(dtype)
-            scores.add_(mask)  # a mask broadcasts to the weights' shape (SDPA's own rule)
-            hidden = (mask == -math.inf).all(-1, keepdim=True)
-    return _softmax(scores, hidden)
+        if terms is None:
+            terms = _Terms(_materialize(attn_mask, query.device), rows, dims, dtype)
+        scores.add_(terms.bias)  # a mask broadcasts to the weights' shape (SDPA's own rule)
+        hidden = terms.hidden
+    weights = torch.softmax(scores, -1)
+    if hidden is not None:  # rows every key of which is masked are zero, as PyTorch's kernels give
+        weights.masked_fill_(hidden, 0.0)
+    return weights
+
+
+def _materialize(mask: Any, device: torch.device) -> torch.Tensor:
+    """A mask as a tensor (``torch.nn.attention.bias.CausalBias`` makes its own)."""
+    return mask._materialize(device) if hasattr(mask, "_materialize") else mask
 
 
 def sdpa_weights(
@@ -385,7 +423,9 @@ class Attention(Mapping[str, torch.Tensor]):
         self._sdpa: set[str] = set()  # sites read from scaled_dot_product_attention: their softmax is not attention
         self._softmax_last_dim: dict[str, bool] = {}
         self._signatures: dict[str, inspect.Signature] = {}
-        self._tap: Tap | None = None
+        self._terms: _Terms | None = None  # those of the last mask, for the next layers given the same
+        # made once: a collector entered batch after batch only adds and removes its hooks
+        self._tap: Tap = tap(self.model, self._selection, capture=("input", "output"), observe=self._observe)
 
     # -------------------------------------------------------------- the mapping
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -421,7 +461,6 @@ class Attention(Mapping[str, torch.Tensor]):
 
     # -------------------------------------------------------------- collecting
     def __enter__(self) -> Attention:
-        self._tap = tap(self.model, self._selection, capture=("input", "output"), observe=self._observe)
         self._tap.__enter__()
         return self
 
@@ -430,9 +469,8 @@ class Attention(Mapping[str, torch.Tensor]):
 
     def remove(self) -> None:
         """Stop collecting (the ``with`` block does it); what was recorded stays readable."""
-        if self._tap is not None:
-            self._tap.remove()
-            self._tap = None
+        self._terms = None
+        self._tap.remove()
 
     def _observe(self, name: str, kind: str, call: int, value: Any) -> None:
         try:
@@ -457,7 +495,9 @@ class Attention(Mapping[str, torch.Tensor]):
                     self._sdpa.add(op.module)
                     self._put(op.module, self._from_sdpa(value))
             elif kind == "input":  # softmax: attention only over the last dim
-                a = _arguments(value, ("input", "dim"))
+                # the call's own arguments: for softmax(x, dim=-1) the tap hands over x only
+                call = running_call()
+                a = _arguments(value if call is None else Inputs(call[1], call[2]), ("input", "dim"))
                 x = a.get("input")
                 dim = a.get("dim")
                 last = isinstance(x, torch.Tensor) and x.dim() >= 2 and dim in (-1, x.dim() - 1)
@@ -478,7 +518,16 @@ class Attention(Mapping[str, torch.Tensor]):
         causal, gqa = bool(a.get("is_causal", False)), bool(a.get("enable_gqa", False))
         query = a["query"]
         at = _rows_at(self.rows, query.size(0), query.size(-2), query.device) if query.dim() >= 3 else _ROWS[self.rows]
-        weights = _sdpa(query, a["key"], a.get("attn_mask"), causal, a.get("scale"), gqa, at)
+        mask, terms = a.get("attn_mask"), None
+        if mask is not None:
+            mask = _materialize(mask, query.device)
+            dtype = _dtype(query)
+            key = _terms_key(mask, at, dtype)
+            terms = self._terms
+            if terms is None or key is None or terms.key != key:
+                terms = _Terms(mask, at, query.dim(), dtype)
+                self._terms = terms if key is not None else None
+        weights = _sdpa(query, a["key"], mask, causal, a.get("scale"), gqa, at, terms)
         return _heads(_four_d(weights), self.heads)
 
     def _from_mha(self, name: str, value: Any) -> torch.Tensor:

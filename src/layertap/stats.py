@@ -38,7 +38,7 @@ from torch import nn
 
 from . import nested
 from .data import open_data
-from .distributed import Processes
+from .distributed import Processes, tensor_parallel_ranks
 from .errors import LayerNotFoundError
 from .modelinfo import model_info
 from .progress import progress_bar
@@ -287,12 +287,16 @@ def _merge(summaries: dict[Any, TensorStats], key: Any, summary: TensorStats) ->
     summaries[key] = summaries[key].merge(summary) if key in summaries else summary
 
 
-def merge_ranks(summaries: dict[Any, TensorStats]) -> dict[Any, TensorStats]:
+def merge_ranks(summaries: dict[Any, TensorStats], model: nn.Module | None = None) -> dict[Any, TensorStats]:
     """Every rank's summaries merged, on every rank, when torch.distributed runs several ranks
-    (a few numbers per layer travel)."""
+    (a few numbers per layer travel). The ranks of a tensor-parallel group of ``model`` saw the
+    same values (`layertap.tap.sharded`): only the group's first counts them."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return summaries
+    group = tensor_parallel_ranks(model) if model is not None else None
+    if group is not None and dist.get_rank() != group[0]:
+        summaries = {}
     local = {key: nested.map_leaves(lambda t: t.cpu(), s) for key, s in summaries.items()}
     gathered = Processes(dist.get_rank(), dist.get_world_size()).gather(local)  # a few numbers per layer
     merged: dict[Any, TensorStats] = {}
@@ -367,7 +371,7 @@ def stats(
             run_model(model, nested.map_leaves(lambda t: t.to(device), batch.inputs))
             taps.clear()  # `call` restarts: a row is a call position within one forward
             bar.update(len(batch))
-    summaries = merge_ranks(summaries)
+    summaries = merge_ranks(summaries, model)
     repeated = {layer for layer, call in summaries if call > 0}
     modules = chosen.layers
     rows = {}

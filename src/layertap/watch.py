@@ -272,7 +272,7 @@ class Watch:
             self._hook.remove()
             self._hook = None
         self._stop_tap()
-        summaries, self._summaries = merge_ranks(self._summaries), {}
+        summaries, self._summaries = merge_ranks(self._summaries, self.model), {}
         records = self._records(summaries)
         if not records:  # no forward ran in the step (the one that was starting when training ended)
             return

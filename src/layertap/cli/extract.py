@@ -11,6 +11,7 @@ import numpy as np
 from ..data import OnError
 from ..distributed import launched
 from ..extract import Verify, extract_dataset, extract_tokens
+from ..extract.plan import plan
 from ..extract.units import POLICIES, TokenPolicy
 from ..loading import load_model
 from ..store.backends import FORMATS
@@ -89,6 +90,9 @@ def extract(
     progress: bool = typer.Option(
         True, "--progress/--no-progress", help="Print the size estimate and show a progress bar (the bar on a terminal only)."
     ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Write nothing: print the plan (size per layer, free space, measured throughput and write bandwidth, projected time, smaller options)."
+    ),
     text: Path | None = text_option("Instead of DATA, a corpus"),
     text_field: str | None = text_field_option(),
     id_field: str | None = id_field_option(),
@@ -104,10 +108,13 @@ def extract(
     torchrun (torchrun --nproc-per-node N -m layertap extract ...) the processes share the chunks.
     With --text FILE instead of DATA, every stored token of the corpus gets a row (a token store,
     read with layertap.open_tokens); `layertap inspect MODEL --text FILE` tells its size first.
+    With --dry-run, nothing is written: the plan of the run is printed (`layertap.extract.plan`).
 
     Example: layertap extract torchvision:resnet50 ./images --layers avgpool --layers layer3 --reduce mean --out feats.zarr
 
     Example: layertap extract hf:./minilm --text corpus.jsonl --id-field id --layers encoder.layer.5 --dtype float16 --out tokens.zarr
+
+    Example: layertap extract torchvision:resnet50 ./images --layers layer3 --out feats.zarr --dry-run
     """
     own_allocator()
     choice(reduce, REDUCTIONS, "--reduce")
@@ -124,6 +131,15 @@ def extract(
     check_inputs(data, text, given)
     net = load_model(model, arch=arch, trust=trust)
     target = location(out)
+    if dry_run:
+        the_plan = plan(
+            net, str(text or data), layers, out=target, text=text is not None, reduce=reduce, dtype=dtype, batch_size=batch_size, num_workers=workers,
+            device=device, format=format, on_error=cast(OnError, on_error), limit=limit, max_image_pixels=max_image_pixels,
+            tokenizer=corpus_tokenizer(net, tokenizer) if text is not None else None, max_length=max_length, pack=pack,
+            tokens=cast(TokenPolicy, tokens or "real"), text_field=text_field or "text", id_field=id_field,
+        )
+        echo(str(the_plan), keep="\n")
+        return
     common: dict[str, Any] = dict(
         format=format, overwrite=overwrite, device=device, dtype=dtype, limit=limit, chunk_size=chunk_size, progress=progress,
         verify=cast(Verify, verify), on_error=cast(OnError, on_error),  # choice above has checked them

@@ -36,6 +36,8 @@ The package, in the order a run goes through it:
 - `tokens`: `extract_tokens`, the same run over a language model's tokens: its rows are the
   chosen tokens of a corpus (`corpus`), tokenized into units (`tokenizer`, `units`) and padded
   into fixed batches (`batches`), so each row is what the model computes for its document alone;
+- `plan`: `plan`, a run's plan before it starts: sizes, free space, measured throughput and write
+  bandwidth, the projected time and what bounds it, and smaller options;
 - `digests`: the fingerprints of the computation and the digests of the samples, with which a
   resumed run proves it computes what the store was written with.
 
@@ -46,9 +48,10 @@ the name up on `layertap`. Every submodule is imported here, eagerly, so what th
 never depends on what was imported before.
 """
 
-from . import batches, corpus, digests, forward, run, settings, sink, token_plan, tokenizer, tokens, units  # noqa: F401  (every part loaded with the package: see above)
+from . import batches, corpus, digests, forward, plan, run, settings, sink, token_plan, tokenizer, tokens, units  # noqa: F401  (every part loaded with the package: see above)
+from .plan import Plan
 from .run import extract_dataset
 from .settings import Verify
 from .tokens import extract_tokens
 
-__all__ = ["extract_dataset", "extract_tokens", "Verify"]
+__all__ = ["extract_dataset", "extract_tokens", "Plan", "Verify"]

@@ -225,6 +225,8 @@ class _Hasher:
             self.instance(obj, depth)
 
     def tensor(self, t: torch.Tensor, depth: int) -> None:
+        if type(t).__name__ == "DTensor":  # sharded (FSDP2, tensor parallel): the whole tensor, the same on every rank
+            t = t.full_tensor()  # type: ignore[attr-defined]
         if t.is_nested:  # its pieces, each whole (a nested tensor has no bytes of its own to read)
             self.feed("nested", t.dtype)
             self.value(list(t.detach().unbind()), depth)

@@ -6,7 +6,7 @@ dimension: `_Forward` knows that rather than guessing it (see its docstring).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,6 +18,15 @@ from ..tap import Tap, tap
 from ..tap.controls import Reduce, reducer
 
 Leaves = dict[tuple[str, int | None], torch.Tensor]  # {(layer, leaf index or None): tensor}
+
+
+class ModelForward(Protocol):
+    """What a run computes with: a batch's features (``n`` samples) from ``model``, whose
+    tensor-parallel layout the run reads (`layertap.distributed.tensor_parallel_ranks`)."""
+
+    model: nn.Module
+
+    def __call__(self, inputs: Any, n: int) -> Leaves: ...
 
 
 class _Forward:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..data import Batch, DataSource, OnError, open_data
-from ..distributed import Processes, job, launched, rank_device
+from ..distributed import Processes, job, launched, rank_device, tensor_parallel_ranks
 from ..errors import DataChangedError, StoreError
 from ..modelinfo import model_info
 from ..progress import progress_bar, say
@@ -32,7 +32,7 @@ from ..store.reader import FeatureStore
 from ..store.writer import StoreWriter
 from ..tap.controls import Reduce, as_dtype, reducer
 from .digests import Verifier, batch_digests, failed_digests
-from .forward import Leaves, _Forward
+from .forward import Leaves, ModelForward, _Forward
 from .settings import Verify, _check_same_everywhere, _difference, _settings, _store_meta, _tolerance
 from .sink import _Sink
 
@@ -219,14 +219,16 @@ class _Run:
     """One extraction: open or create the store, check what it holds, run the missing batches.
 
     With several processes, rank 0 alone opens (locks), checks, creates and finishes the
-    store; each process writes the chunks dealt to it.
+    store; each process writes the chunks dealt to it. Under tensor parallelism the chunks are
+    dealt to the groups (``procs.dp_rank`` of ``dp_world``): every process of a group reads them
+    and runs the forward, whose collectives need them all, and the group's first writes them.
     """
 
     MOST = MAX_CHUNK  # samples per chunk at most
 
     def __init__(
         self,
-        forward: Callable[[Any, int], Leaves],
+        forward: ModelForward,
         source: DataSource,
         out: Location,
         format: str | None,
@@ -247,6 +249,7 @@ class _Run:
         self.end = 0  # where the data read so far ended (for data of unknown length)
         self.verify, self.rtol = verify, rtol  # how a resume recomputes a written batch, and within what
         self.to_recompute: list[int] = []  # the written chunks whose first batch a resume computes again
+        self.probed: Computed | None = None  # a tensor-parallel probe, run by rank 0's group together
 
     @property
     def store(self) -> StoreWriter:
@@ -256,6 +259,9 @@ class _Run:
 
     def extract(self, *, resume: bool, overwrite: bool) -> None:
         procs = self.procs
+        procs.tensor_parallel(tensor_parallel_ranks(self.forward.model, fsdp=True))
+        if len(procs.tp_ranks) > 1 and self.source.indexed:  # rank 0 may need it to lay out the store, and cannot run it alone
+            procs.share(self._keep_probe, peers=True)
         state = procs.share(lambda: self._start(resume, overwrite))
         if state == "complete":
             say(f"{self.out} is already complete", self.progress)
@@ -276,7 +282,7 @@ class _Run:
             if self.source.indexed:  # a stream is checked as it is read again
                 procs.share(verifier.check_all)
                 for chunk in list(self.to_recompute):  # each is crossed off when compared
-                    procs.share(functools.partial(self._recompute, chunk))
+                    procs.share(functools.partial(self._recompute, chunk), peers=True)
         end = procs.together(lambda: self._batches(done, verifier))
         self._finish(self.source.num_samples or end)
 
@@ -313,7 +319,7 @@ class _Run:
                     self.reader = itertools.chain(self.read_first, reader)
                     return self._store_plan_of(batch, leaves)
             raise self._unreadable([f for b, _ in self.read_first for f in b.failed])
-        return self._store_plan_of(*self._probe())
+        return self._store_plan_of(*(self.probed or self._probe()))
 
     def _probe(self) -> Computed:
         """The features of the first two readable samples: the store's shapes, before the real run."""
@@ -328,6 +334,9 @@ class _Run:
                 failed += batch.failed
         raise self._unreadable(failed)
 
+    def _keep_probe(self) -> None:
+        self.probed = self._probe()
+
     def _unreadable(self, failed: list[SkippedSample]) -> StoreError:
         first = f", first {failed[0].id}: {failed[0].error}" if failed else ""
         return StoreError(f"no sample of {self.source.description} could be read ({len(failed)} failed{first})")
@@ -335,7 +344,7 @@ class _Run:
     def _store_plan_of(self, batch: Batch, leaves: Leaves) -> StorePlan:
         specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
         size = _chunk_size(
-            self._granule(batch), sum(s.sample_bytes for s in specs), self.chunk_size, self.source.num_samples, self.procs.world, self.MOST
+            self._granule(batch), sum(s.sample_bytes for s in specs), self.chunk_size, self.source.num_samples, self.procs.dp_world, self.MOST
         )
         return StorePlan(
             specs,
@@ -368,26 +377,28 @@ class _Run:
     def _batches(self, done: list[int], verifier: Verifier | None) -> int:
         """Run the batches of this process's chunks into the store; where the data ended."""
         # data read in order is read through, its written chunks checked as they pass (see `_read`)
-        shard = _plan(self.store, done, self.procs.rank, self.procs.world) if self.source.indexed else None
+        shard = _plan(self.store, done, self.procs.dp_rank, self.procs.dp_world) if self.source.indexed else None
         reader = self.reader or self._read(shard, done, verifier)
         total = len(shard) if shard is not None else self.source.num_samples and self.source.num_samples - sum(self._rows(c) for c in done)
         bar = progress_bar(total, desc="extract", unit="sample", enabled=self.progress)
-        sink = _Sink(self.store)
+        sink = _Sink(self.store) if self.procs.writes else None  # a tensor-parallel peer only computes
         try:
             for batch, leaves in reader:
                 arrays = {array_key(*k): t for k, t in leaves.items()}
                 if arrays:
                     self._check(arrays, batch)
-                if arrays or batch.failed:
+                if sink is not None and (arrays or batch.failed):
                     digests = batch_digests(self.source, batch) if len(batch) else []
                     sink.put(batch, arrays, digests, failed_digests(self.source, batch.failed))
                 bar.update(len(batch) + len(batch.failed))
         except BaseException:
             with contextlib.suppress(BaseException):
-                sink.close(None)  # keep every whole chunk done so far
+                if sink is not None:
+                    sink.close(None)  # keep every whole chunk done so far
             raise
         else:
-            sink.close(self.end)
+            if sink is not None:
+                sink.close(self.end)
         finally:
             self.read_first.clear()
             bar.close()

@@ -32,15 +32,15 @@ _BATCH = 1024  # documents per tokenizer call
 
 
 def _model_folder(model: nn.Module) -> Path | None:
+    # only the folder the user named: a config's own ``_name_or_path`` is data from a file,
+    # which could name any folder on the machine
     spec = model_info(model).spec or ""
-    if spec.startswith("hf:"):
-        return Path(spec[3:]).expanduser()
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    return Path(name).expanduser() if name and Path(name).expanduser().is_dir() else None
+    return Path(spec[3:]).expanduser() if spec.startswith("hf:") else None
 
 
 def default_tokenizer(model: nn.Module) -> Any:
-    """The tokenizer saved beside an ``hf:`` model (or a Hugging Face model loaded from a folder)."""
+    """The tokenizer saved beside a model loaded by ``layertap.load_model("hf:FOLDER")``; any other
+    model needs ``tokenizer=`` (a config's ``_name_or_path`` is not followed: a file sets it)."""
     folder = _model_folder(model)
     if folder is None or not folder.is_dir():
         raise ArgumentError(

@@ -25,7 +25,7 @@ import numpy as np
 from ..atomic import sync_path
 from ..errors import StoreError, require
 from .format import _LOCK, _MARKER_BYTES_PER_SAMPLE, _Codec, _fit
-from .paths import Location, _bad, _check_inside, _check_no_links_out, _foreign_entries, _names, _one_line, is_url, url_fs
+from .paths import Location, _bad, _check_inside, _check_no_links_out, _foreign_entries, _names, _one_line, is_url, url_failed, url_fs
 
 _ZARR_META = re.compile(r"zarr(\.json|\.[0-9a-f]{32}\.partial)")  # a partial file: one Zarr was writing
 _ZARR_PARTIAL = re.compile(r"[0-9]+\.[0-9a-f]{32}\.partial")
@@ -159,7 +159,10 @@ class _ZarrBackend(_Backend):
     def holds(cls, path: Location) -> bool:
         if isinstance(path, str):  # an object store
             fs, inner = url_fs(path)
-            return bool(fs.exists(f"{inner}/zarr.json"))
+            try:
+                return bool(fs.exists(f"{inner}/zarr.json"))
+            except Exception as e:  # s3fs, gcsfs and botocore raise their own classes (no server, no bucket)
+                raise url_failed(path, e) from e
         return (path / "zarr.json").is_file()
 
     @classmethod

@@ -24,7 +24,7 @@ from ..errors import StoreError, StoreLockedError
 from ..printable import printable
 from .backends import _BACKENDS
 from .format import _LOCK
-from .paths import Location, _one_line, is_url, url_fs
+from .paths import Location, _one_line, is_url, url_failed, url_fs
 
 
 class StoreLock:
@@ -66,7 +66,12 @@ class StoreLock:
 
     def acquire(self) -> StoreLock:
         if is_url(self.file):
-            self._take_lease()
+            try:
+                self._take_lease()
+            except StoreError:
+                raise
+            except Exception as e:  # no bucket, no access, no server: s3fs and botocore raise their own classes
+                raise url_failed(str(self.path), e) from e
         else:
             with _HELD_GUARD:
                 self._lock_file(Path(self.file))

@@ -41,6 +41,15 @@ def url_fs(url: str) -> tuple[Any, str]:
     return fs, inner
 
 
+def url_failed(url: str, e: BaseException) -> StoreError:
+    """The one-line error of an object-store call on ``url`` that failed (no bucket, no access, no
+    server): s3fs, gcsfs and botocore raise classes of their own, with long messages."""
+    return StoreError(
+        f"cannot reach {url} ({type(e).__name__}: {_one_line(e)}): check that its bucket exists, that you may "
+        "write to it, and that the object store's endpoint is reachable (fsspec's FSSPEC_<PROTOCOL>_ENDPOINT_URL)"
+    )
+
+
 def _bad(path: Location, what: str) -> StoreError:
     return StoreError(
         f"{path} is not a valid layertap feature store: {what}. It is damaged, or was not written by "

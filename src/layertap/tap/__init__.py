@@ -13,12 +13,13 @@ Where each part lives (each file's docstring says how its mechanism works):
   bounded, handed back only once the values are dropped, written with streaming stores;
 - ``grads.py``: gradients, hooked on tensors that carry only one edge of a layer;
 - ``masks.py``: the running call's ``attention_mask`` (per thread), and reductions over real tokens;
+- ``sharded.py``: a tensor-parallel model's values seen whole (``gather=``), edits split back;
 - ``ops.py``: op taps through a ``TorchFunctionMode``, and the thread-local in-hook count;
 - ``compiled.py``: compiled modules run eagerly while tapped.
 """
 
-from .core import Inputs, Tap, tap
+from .core import Tap, tap
 from .ops import op_name
-from .options import KINDS, Kind
+from .options import KINDS, Inputs, Kind
 
 __all__ = ["tap", "Tap", "Inputs", "Kind", "KINDS", "op_name"]

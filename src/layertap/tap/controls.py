@@ -107,8 +107,8 @@ def as_dtype(dtype: DType) -> torch.dtype | None:
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` live in the same storage (so an in-place op on one changes the other)."""
-    if a.device != b.device:
-        return False
+    if a.device != b.device or type(a).__name__ == "DTensor" or type(b).__name__ == "DTensor":
+        return False  # a DTensor is only ever kept as a copy (layertap.tap.sharded)
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
@@ -118,8 +118,11 @@ def make_transform(
     to: torch.device | str | None = None,
     dtype: DType = None,
     reduce: Reduce = None,
+    whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """One function applying the controls in the cheapest order: detach, reduce, cast, move.
+
+    ``whole`` comes first: a tensor-parallel part made whole (`layertap.tap.sharded`).
 
     A reduction that returns a view (``cls``) is copied, so that the small result does not keep
     the whole activation alive.
@@ -129,6 +132,8 @@ def make_transform(
     device = torch.device(to) if to is not None else None
 
     def transform(t: torch.Tensor) -> torch.Tensor:
+        if whole is not None:
+            t = whole(t)
         src = t
         if detach:
             t = t.detach()

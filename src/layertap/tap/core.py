@@ -20,6 +20,8 @@ which says how it works):
 - What is kept per call (``keep=``), the DataParallel replicas' parts, the views: `layertap.tap.kept`.
 - A padded text batch's ``attention_mask``, for reductions over the real tokens only:
   `layertap.tap.masks`.
+- A tensor-parallel model's values are the full logical activations (``gather=``):
+  `layertap.tap.sharded`.
 - Ops inside a module's forward (``"layer1.0:add_"``), through a ``TorchFunctionMode``:
   `layertap.tap.ops`. Compiled modules run eagerly while tapped: `layertap.tap.compiled`.
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
@@ -39,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -56,14 +58,8 @@ from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
 from .ops import OpTaps, hidden, op_name
-from .options import KINDS, Edit, Kind, Observe, Options, checked, copied, edited
-
-
-class Inputs(NamedTuple):
-    """The inputs of a layer called with several (or keyword) arguments."""
-
-    args: tuple
-    kwargs: dict
+from .options import KINDS, Edit, Inputs, Kind, Observe, Options, _arguments, _given, checked, copied, edited
+from .sharded import Sharded, whole
 
 
 class _StopForward(Exception):
@@ -72,16 +68,6 @@ class _StopForward(Exception):
     def __init__(self, tap: Tap) -> None:
         super().__init__("layertap stopped the forward after the last tapped layer")
         self.tap = tap
-
-
-def _given(single: bool, args: tuple, kwargs: dict) -> Any:
-    """An op's input as the tap gives it: the tensor for an op on one tensor, else ``Inputs``."""
-    return args[0] if single else Inputs(args, kwargs)
-
-
-def _arguments(single: bool, value: Any, kwargs: dict) -> tuple[tuple, dict]:
-    """An op's arguments again, from its input as `_given` made it (with gradient hooks now)."""
-    return ((value,), kwargs) if single else (value.args, value.kwargs)
 
 
 def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> TapError:
@@ -95,7 +81,6 @@ def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> 
         else "change to=, dtype= or reduce=, or tap another layer"
     )
     return TapError(f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); {fix}. {type(exc).__name__}: {exc}")
-
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,13 +130,15 @@ class Tap(Mapping):
         if self._kept.parallel and self.stop_early:
             raise TapError("stop_early=True is not supported under nn.DataParallel: tap model.module, or drop stop_early")
         edits = edited(options.edit, chosen, self.names)
-        self._edits = edits.functions
+        self._sharded = sharded = Sharded.of(chosen.every, options.gather)  # tensor-parallel parts seen whole (sharded.py)
+        self._edits = edits.functions if sharded is None else {n: sharded.edit(f) for n, f in edits.functions.items()}
         self._modules.update(edits.modules)
         self._sites.update((name, op) for name, op in edits.ops.items() if name not in self._sites)
         self._ops = OpTaps(self._sites, chosen.star, self._modules, _weak(self._op_hook))
         if self._ops and self._kept.parallel:
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
-        self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce)
+        gather = None if sharded is None else lambda t: whole(t, options.gather)
+        self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
         self._masks = options.reduce is not None or self._observe is not None  # who may read the call's mask (masks.py)
         self._grads = Grads(self._transform, self._observe, self.keep, _weak(self._put_grads))
         self._copies = Copies()
@@ -242,6 +229,8 @@ class Tap(Mapping):
             handles.append(module.register_forward_hook(hidden(self._hook(name, tapped))))
         if self._ops:
             self._ops.register(handles, self._restore)
+        if self._sharded is not None:
+            self._sharded.register(handles)
         # the call's attention_mask for the reductions, until the root's own hook has run: hooked last
         if self._masks:
             handles += masks.watch(root)
@@ -260,7 +249,7 @@ class Tap(Mapping):
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
         want_inputs = self._want_input or self._want_grad_input
-        grads = self._want_grads
+        grads, sharded = self._want_grads, self._sharded
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if name not in self._order:
@@ -269,6 +258,9 @@ class Tap(Mapping):
                 return None
             single = len(args) == 1 and not kwargs
             value = args[0] if single else Inputs(args, kwargs)
+            unwrap = None
+            if sharded is not None:
+                value, unwrap = sharded.wrap_parts(module, value)
             call = Call()
             if want_inputs:
                 value = self._take_input(name, module, value, self._replica(module, name, value), call)
@@ -277,6 +269,8 @@ class Tap(Mapping):
                 self._grads.opened(name, module, call)
             if not self._want_grad_input:
                 return None
+            if unwrap is not None:
+                value = unwrap(value)
             return ((value,), {}) if single else (value.args, value.kwargs)
 
         return hook
@@ -284,10 +278,13 @@ class Tap(Mapping):
     def _hook(self, name: str, tapped: bool) -> Callable:
         edit = self._edits.get(name)
         counts = tapped and not self._only_inputs
-        grads = tapped and self._want_grads
+        grads, sharded = tapped and self._want_grads, self._sharded
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             call = self._grads.closed(name, module) if grads else None  # the call its pre-hook opened
+            part = None if sharded is None else sharded.part(name, module, args, output)
+            if part is not None:  # a rank's plain part: the tap works on the DTensor it is part of
+                output = part.wrap(output)
             # the edit runs first: what it returns is what flows on, is captured and gets the
             # gradient hooks (heatmaps rely on this to turn autograd on at their layer)
             new = edit(name, output) if edit is not None else None
@@ -297,6 +294,8 @@ class Tap(Mapping):
                 taken = self._take_output(name, module, output, self._replica(module, name, output), call)
                 if taken is not output:
                     new = taken
+            if part is not None:
+                return part.unwrap(output if new is None else new)
             return new
 
         return hook
@@ -537,6 +536,7 @@ def tap(
     edit: Edit = None,
     observe: Observe = None,
     copy: bool | Layers = False,
+    gather: bool = True,
 ) -> Tap:
     """Tap ``layers`` of ``model`` for the duration of a ``with`` block.
 
@@ -577,6 +577,10 @@ def tap(
             calls since the tap began (or ``clear()``). The value is not copied: it is valid
             during the call only (a later in-place op may change it). A gradient is handed over
             tensor by tensor, as the backward reaches each.
+        gather: on a tensor-parallel model (DTensor weights, ``parallelize_module``), each value
+            is the full logical activation, the same on every rank (one all-gather each);
+            ``False`` keeps the rank's part as a DTensor with its placements, with no collective
+            (see `layertap.tap.sharded`).
 
     Layers may be ops inside a module's forward (``"layer1.0:add_"``, see `layertap.select`),
     with every option above.
@@ -589,7 +593,7 @@ def tap(
     >>> t.grads["layer3"].shape == t["layer3"].shape
     True
     """
-    return Tap(model, layers, Options(capture, keep, detach, to, dtype, reduce, stop_early, edit, observe, copy))
+    return Tap(model, layers, Options(capture, keep, detach, to, dtype, reduce, stop_early, edit, observe, copy, gather))
 
 
 __all__ = ["tap", "Tap", "Inputs", "KINDS", "LayerNotFoundError", "op_name"]

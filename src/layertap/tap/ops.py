@@ -16,6 +16,7 @@ Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.s
 - An op's output, inputs (the tensor for an op on one tensor, else ``Inputs(args, kwargs)``),
   ``grad``, ``grad_input``, ``edit`` and ``stop_early`` work as for modules, with the same
   in-place guarantee: ``add_`` is captured before a later ``relu_`` changes it.
+  The op's call itself (``softmax(x, dim=-1)``'s keyword dim) is `running_call` while its hooks run.
 - Every layertap hook runs inside `hidden`, which counts, per thread, the hooks running: what a
   hook computes is not an op of the module whose forward it runs in. The count is thread-local:
   ``nn.DataParallel`` runs each replica's hooks in a thread of its own, and a count shared by
@@ -61,6 +62,22 @@ class _Hooks(threading.local):
 
 
 _HOOKS = _Hooks()
+
+
+class _Call(threading.local):
+    """The tapped op call whose hooks run now in this thread: ``(func, args, kwargs)``."""
+
+    value: tuple[Any, tuple, dict] | None = None
+
+
+_CALL = _Call()
+
+
+def running_call() -> tuple[Any, tuple, dict] | None:
+    """``(func, args, kwargs)`` of the tapped op whose hooks (and ``observe=``) run now in this
+    thread, as its module's forward made the call, or None outside them. An op on one tensor hands
+    its hooks that tensor only: its other arguments (``softmax(x, dim=-1)``'s dim) are read here."""
+    return _CALL.value
 
 
 def hidden(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,6 +172,7 @@ class OpTaps:
         self._thread = _Thread(self.on_op)
         # module name -> op -> most calls in one forward, for every op that returned a tensor
         self.seen: dict[str, dict[str, int]] = {}
+        self._framed: list[nn.Module] | None = None  # the modules framed: those with tapped ops and their descendants
 
     def __bool__(self) -> bool:
         return bool(self.sites or self.star)
@@ -165,7 +183,8 @@ class OpTaps:
         # it and of each of its descendants (their hooks included) a blind frame hides their ops
         # from the module that called them
         sited = list(dict.fromkeys([*self.sites, *sorted(self.star)]))
-        framed = {id(m): m for site in sited for m in self._modules[site].modules()}
+        if self._framed is None:  # found once: a tap entered batch after batch walks the modules once
+            self._framed = list({id(m): m for site in sited for m in self._modules[site].modules()}.values())
         thread = self._thread
 
         def blind(module: nn.Module, args: tuple) -> None:
@@ -178,7 +197,7 @@ class OpTaps:
             if frames:
                 frames.pop()
 
-        for module in framed.values():
+        for module in self._framed:
             handles.append(module.register_forward_pre_hook(blind, prepend=True))
             handles.append(module.register_forward_hook(see, always_call=True))
         for site in sited:
@@ -226,7 +245,11 @@ class OpTaps:
             return out
         star = OpName(frame.module, op, count) if frame.star else None
         saw = functools.partial(self._saw, frame.module, op, count)
-        return self._hook(frame.module, hits, star, saw, func, args, kwargs)
+        outer, _CALL.value = _CALL.value, (func, args, kwargs)
+        try:
+            return self._hook(frame.module, hits, star, saw, func, args, kwargs)
+        finally:
+            _CALL.value = outer
 
     def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
         """Note an op of ``module`` that returned a tensor (for discovery and errors)."""

@@ -1,5 +1,6 @@
 """What `layertap.tap` is given: the kinds it captures, the keep policies, the checks of the options
-together, and ``copy=`` and ``edit=`` resolved against the tapped layers."""
+together, and ``copy=`` and ``edit=`` resolved against the tapped layers; `Inputs`, the form a
+captured input of several arguments takes."""
 
 from __future__ import annotations
 
@@ -20,6 +21,23 @@ Edit = Callable[[str, Any], Any] | Mapping[Any, Callable[[str, Any], Any]] | Non
 Observe = Callable[[str, str, int, Any], None] | None
 
 
+class Inputs(NamedTuple):
+    """The inputs of a layer called with several (or keyword) arguments."""
+
+    args: tuple
+    kwargs: dict
+
+
+def _given(single: bool, args: tuple, kwargs: dict) -> Any:
+    """An op's input as the tap gives it: the tensor for an op on one tensor, else ``Inputs``."""
+    return args[0] if single else Inputs(args, kwargs)
+
+
+def _arguments(single: bool, value: Any, kwargs: dict) -> tuple[tuple, dict]:
+    """An op's arguments again, from its input as `_given` made it (with gradient hooks now)."""
+    return ((value,), kwargs) if single else (value.args, value.kwargs)
+
+
 class Options(NamedTuple):
     """`layertap.tap`'s options as given (`layertap.tap` documents them; `checked` checks them)."""
 
@@ -33,6 +51,7 @@ class Options(NamedTuple):
     edit: Edit
     observe: Observe
     copy: bool | Layers
+    gather: bool = True
 
 
 def checked(options: Options) -> tuple[str, ...]:
