@@ -36,6 +36,9 @@ CTRL_C_AT_IMPORT = textwrap.dedent(
     """
     import os, signal, sys
 
+    # a terminal delivers Ctrl-C; a parent that ignores SIGINT (a background job) would hand that on
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class CtrlC:  # the user presses Ctrl-C as {module!r} is being imported
         def find_spec(self, name, path=None, target=None):
             if name == {module!r}:
