@@ -9,12 +9,8 @@ unsharded copy, and torch's own arithmetic for the statistics.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from torchrun_scenarios import launch, played
 
 SCRIPT = r'''
 import copy, json, os, sys, traceback
@@ -22,20 +18,11 @@ import numpy as np
 import torch
 from torch.distributed.fsdp import fully_shard
 import layertap
+from torchrun_scenarios import play
 
 folder = sys.argv[1]
 torch.distributed.init_process_group("gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-def say(scenario, **fields):
-    sys.stdout.write(json.dumps({"scenario": scenario, "rank": rank, **fields}) + "\n")
-    sys.stdout.flush()
-
-def play(scenario, check):
-    try:
-        say(scenario, ok=True, **(check() or {}))
-    except Exception as e:
-        say(scenario, ok=False, error=f"{type(e).__name__}: {e}", where=traceback.format_exc()[-1500:])
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -136,25 +123,11 @@ torch.distributed.destroy_process_group()
 @pytest.fixture(scope="module")
 def said(tmp_path_factory) -> dict[str, list[dict]]:
     """What each scenario printed, one line per rank, by scenario name."""
-    folder = tmp_path_factory.mktemp("fsdp")
-    (folder / "script.py").write_text(SCRIPT)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *launcher, str(folder / "script.py"), str(folder)], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines: dict[str, list[dict]] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            lines.setdefault(record["scenario"], []).append(record)
-    return lines
+    return launch(SCRIPT, tmp_path_factory.mktemp("fsdp"), 2)
 
 
 def both_ranks(said: dict[str, list[dict]], scenario: str) -> list[dict]:
-    records = sorted(said.get(scenario, []), key=lambda r: r["rank"])
-    assert [r["rank"] for r in records] == [0, 1], records
-    assert all(r["ok"] for r in records), [(r.get("error"), r.get("where")) for r in records]
-    return records
+    return played(said, scenario, 2)
 
 
 def test_tap_of_a_sharded_model_gives_the_unsharded_outputs_and_gradients(said):

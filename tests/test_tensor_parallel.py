@@ -9,13 +9,8 @@ The reference is an unsharded copy of the model with the same weights (plain aut
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from torchrun_scenarios import launch, played
 
 SCRIPT = r'''
 import copy, json, os, sys, time, traceback
@@ -23,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 import layertap
+from torchrun_scenarios import play
 from layertap.distributed import job
 from layertap.store.writer import StoreWriter
 
@@ -30,16 +26,6 @@ folder, mode = sys.argv[1], sys.argv[2]
 torch.distributed.init_process_group("gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 LAYERS = ["0", "1", "2"]
-
-def say(scenario, **fields):
-    sys.stdout.write(json.dumps({"scenario": scenario, "rank": rank, **fields}) + "\n")
-    sys.stdout.flush()
-
-def play(scenario, check):
-    try:
-        say(scenario, ok=True, **(check() or {}))
-    except Exception as e:
-        say(scenario, ok=False, error=f"{type(e).__name__}: {e}", where=traceback.format_exc()[-1500:])
 
 torch.manual_seed(0)
 plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -180,29 +166,15 @@ if torch.distributed.is_initialized():
 '''
 
 
-def launch(folder: Path, procs: int, mode: str) -> list[dict]:
-    (folder / "script.py").write_text(SCRIPT)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launcher, str(folder / "script.py"), str(folder), mode], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
 @pytest.fixture(scope="module")
 def said(tmp_path_factory) -> dict[str, list[dict]]:
     folder = tmp_path_factory.mktemp("tp")
-    lines = launch(folder, 4, "mesh") + launch(folder, 2, "tp")
-    out: dict[str, list[dict]] = {}
-    for line in lines:
-        out.setdefault(line["scenario"], []).append(line)
-    return out
+    mesh, tp = launch(SCRIPT, folder, 4, "mesh", timeout=120), launch(SCRIPT, folder, 2, "tp", timeout=120)
+    return {**mesh, **tp}  # no scenario plays in both
 
 
 def ok(said: dict[str, list[dict]], scenario: str, ranks: int) -> list[dict]:
-    lines = sorted(said.get(scenario, []), key=lambda line: line["rank"])
-    assert len(lines) == ranks and all(line["ok"] for line in lines), lines
-    return lines
+    return played(said, scenario, ranks)
 
 
 def test_tensor_parallel_extraction_writes_the_unsharded_features_once(said):
