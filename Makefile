@@ -40,12 +40,15 @@ test: $(STAMP)
 
 # the tests that compare numbers, again with MKL's portable kernels and one thread: an assertion
 # that holds only for one CPU's kernels or one thread count fails here (CI runs it)
-NUMERIC_TESTS := tests/test_parity.py tests/test_features.py tests/test_dataset.py tests/test_store.py \
-	tests/test_stats.py tests/test_cli_stats.py tests/test_crash_resume.py tests/test_cam.py tests/test_tap.py \
-	tests/test_watch.py tests/test_tap_reuse.py tests/test_moments.py tests/test_tokens.py tests/test_tokens_resume.py \
-	tests/test_token_loader.py tests/test_masked_pooling.py
+NUMERIC_TESTS := tests/test_parity.py tests/test_features.py tests/test_dataset.py tests/test_stats.py \
+	tests/test_cli_stats.py tests/test_cam.py tests/test_tap.py tests/test_watch.py tests/test_tap_reuse.py \
+	tests/test_moments.py tests/test_tokens.py tests/test_tokens_resume.py tests/test_token_loader.py \
+	tests/test_masked_pooling.py
+# not here: the kill -9 runs (test_crash_resume.py, the killed runs of these files) and the peak-memory
+# runs, which compare a run with the very same computation on the same batches, whatever the kernels
+NUMERIC_SKIP := not killed and not sigkill and not peak_memory
 numerics: $(STAMP)
-	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 $(NUMERIC_TESTS)
+	MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 $(NUMERIC_TESTS) -k "$(NUMERIC_SKIP)"
 
 # the docstrings' examples twice at once, each from its own copy of the tree, sharing the system's
 # temp folder: an example that writes a fixed path outside its own temporary folder collides (CI runs it)

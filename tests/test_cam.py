@@ -4,11 +4,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-import pytorch_grad_cam as P  # the reference: grad-cam, a test dependency
 import torch
 import torchvision
-from pytorch_grad_cam.utils.image import scale_cam_image
-from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
 from torch import nn
 
 import layertap
@@ -30,6 +27,11 @@ TOL = 1e-5  # maps are in [0, 1]: absolute difference after normalisation
 
 def reference(method: str, model: nn.Module, layers: list, x, targets, reshape=None) -> np.ndarray:
     """pytorch-grad-cam's map (it calls model.eval(): give it an eval model or a copy)."""
+    # the reference (grad-cam, a test dependency), imported when used: its import (OpenCV, SciPy,
+    # Matplotlib) costs seconds in every pytest worker that collects this file
+    import pytorch_grad_cam as P
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
     cam = getattr(P, method)(model, target_layers=layers, reshape_transform=reshape)
     try:
         return cam(x, [ClassifierOutputTarget(t) for t in targets])
@@ -365,6 +367,8 @@ def by_hand(model: nn.Module, layer: str, x: torch.Tensor, targets: list) -> np.
         torch.autograd.grad(model(x)[torch.arange(len(targets)), targets].sum(), x)
     a, g = t[layer].float(), t.grads[layer].float()
     raw = (g.mean((2, 3), keepdim=True) * a).sum(1).clamp(min=0).numpy()
+    from pytorch_grad_cam.utils.image import scale_cam_image
+
     return scale_cam_image(scale_cam_image(raw, tuple(x.shape[:1:-1])))
 
 

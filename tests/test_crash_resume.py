@@ -20,9 +20,9 @@ from layertap.store.writer import StoreWriter
 
 FORMATS = {"zarr": "s.zarr", "hdf5": "s.h5", "npy": "s"}
 SAMPLES = 24  # 12 batches, 6 chunks
-# 8 kills per format, 24 in all: before or while the store is made (batch 1), before its first chunk
-# is written (batches 2, 3), and after some chunks (from batch 5 on, to the last)
-MOMENTS = 8
+# 6 kills per format, 18 in all: before or while the store is made (batch 1), before its first chunk
+# is written (batch 3), and after some chunks (from batch 5 on, to the last)
+MOMENTS = 6
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Extraction under torchrun: processes share one store, chunk by chunk, and resume with any number.
 
-The jobs are real: `torch.distributed.run` starts 2 or 3 processes on the CPU (Gloo), running
+The jobs are real: `torch.distributed.run` starts 2 processes on the CPU (Gloo), running
 the ``layertap`` command as a user would (``python -m layertap extract``, or its `run` from a
 script). Every process of a launch imports torch, seconds each: so one job of 2 processes
 (`scenarios`) plays every scenario that kills no process, one after the other, in one process
@@ -281,7 +281,7 @@ def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_pa
     assert 0 < len(done) < 8 and 1 in done and done[1]["process"] == 1, done
     assert not layertap.FeatureStore(out).complete
 
-    resumed = cli(*args, procs=3, env={"PYTHONPATH": TESTS})
+    resumed = cli(*args, env={"PYTHONPATH": TESTS})  # one process, without torchrun: the job of 2 is a store of 1
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {out}: {len(done)} of 8 chunks already written" in resumed.stderr
     # only the missing chunks ran: 2 batches each, 1 for the last (4 samples)
@@ -289,7 +289,7 @@ def test_a_job_that_loses_a_rank_resumes_with_another_number_of_processes(tmp_pa
     checked = 2 if len(done) > 1 else 1
     assert resumed.stdout.count("batch ") == sum(2 if c < 7 else 1 for c in range(8) if c not in done) + checked
     written = markers(out)
-    assert {m["process"] for c, m in written.items() if c not in done} == {0, 1, 2}
+    assert {m["process"] for c, m in written.items() if c not in done} == {0}
 
     # one_thread: as each process of the job ran, the same arithmetic, bit for bit
     whole = layertap.extract_dataset(slow_model.Slow(), str(data), ["conv", "pool"], tmp_path / "whole.zarr", batch_size=4, chunk_size=8, progress=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import slow_model
+import tokens_models as tm
 import torch
 
 import layertap
@@ -176,3 +177,27 @@ def test_an_unreachable_endpoint_is_one_line_and_no_hang(s3, array, monkeypatch)
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert f"s3://{BUCKET}/y.zarr" in line and "127.0.0.1" in line, line
+
+
+def test_a_token_store_on_s3_equals_the_local_one_with_its_stats_and_loader(s3, tmp_path):
+    """extract_tokens to s3://, read back by open_tokens (arrays, token ids, the running statistics)
+    and TokenLoader's shuffled epoch: the same as the run written to a local folder."""
+    texts = tm.corpus(24, seed=2, longest=20)
+    tokenizer = tm.bpe_tokenizer(texts, save=tmp_path / "bpe.json")
+    url = f"s3://{BUCKET}/t.zarr"
+    stores = {}
+    for out in (str(tmp_path / "t.zarr"), url):
+        torch.manual_seed(0)
+        model = tm.TinyLM(len(tokenizer)).eval()
+        layertap.extract_tokens(model, texts, tm.TINY_LAYERS, out=out, tokenizer=tokenizer, batch_size=4, chunk_size=128, progress=False)
+        stores[out] = layertap.open_tokens(out)
+    local, remote = stores.values()
+    assert remote.complete and s3fs.S3FileSystem().exists(f"{BUCKET}/t.zarr/zarr.json")
+    assert len(remote) == len(local) > 100 and remote.layers == local.layers
+    assert np.array_equal(remote.token_ids, local.token_ids) and np.array_equal(remote.docs, local.docs)
+    for layer in local.layers:
+        assert np.array_equal(np.asarray(remote[layer]), np.asarray(local[layer])), layer
+        a, b = remote.stats[layer], local.stats[layer]
+        assert a.count == b.count == len(local) and np.array_equal(a.mean, b.mean) and np.array_equal(a.std, b.std)
+    rows = [batch["index"] for batch in layertap.TokenLoader(url, batch_size=16, seed=3, rank=0, world_size=1)]
+    assert sorted(torch.cat(rows).tolist()) == list(range(len(local)))  # every row once

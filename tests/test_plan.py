@@ -3,6 +3,7 @@ at a URL, and the refusal of a run that cannot fit (the timing against real runs
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -42,7 +43,8 @@ def test_plan_of_an_image_folder_sizes_the_store_the_run_writes(images, tmp_path
     written = array_bytes(out, store.num_samples)
     assert p.rows == 24 and abs(p.total_bytes - written) <= 0.05 * written
     assert [a.bytes_per_row for a in p.layers] == [store[k].nbytes // store.num_samples for k in SHAPES_LAYERS]
-    assert p.free_bytes is not None and p.write_bytes_per_s and p.bound in ("model", "store")
+    assert p.free_bytes is not None and p.write_bytes_per_s and p.bound in ("model", "compression", "store")
+    assert p.compress_bytes_per_s and p.compress_s > 0 and "compression:" in str(p)  # Zarr compresses: its CPU counts
     options = {r.option: r.total_bytes for r in p.reductions}
     assert options["dtype='float16'"] < p.total_bytes and options["reduce='mean'"] < options["dtype='float16'"]
     assert "free space" in str(p) and "bound by the" in str(p)
@@ -63,6 +65,31 @@ def test_plan_of_a_text_file_sizes_the_token_store_the_run_writes(tmp_path, one_
     assert options["tokens='last'"] == 6 * p.bytes_per_row and "without layer 'encoder.layer.0' (the largest)" in options
 
 
+def test_the_text_plan_tokenizes_the_corpus_once_and_plans_its_first_documents(tmp_path, monkeypatch, one_thread):
+    from layertap.extract import token_plan
+
+    calls = []
+    tokenize = token_plan.tokenize
+    monkeypatch.setattr(token_plan, "tokenize", lambda corpus, *a, **k: calls.append(len(corpus)) or tokenize(corpus, *a, **k))
+    model = layertap.load_model(f"hf:{tm.minilm_path()}")
+    texts = tm.corpus(6, longest=20)
+    p = plan(model, texts, MINILM_LAYERS, out=tmp_path / "t.zarr", batch_size=2, limit=4)
+    assert calls == [4]  # once, over the 4 documents planned
+    sizes = token_plan.token_sizes(model, texts[:4], MINILM_LAYERS)
+    assert p.rows == sizes.tokens and token_plan.token_sizes(model, texts, MINILM_LAYERS, limit=4).tokens == sizes.tokens
+
+
+def test_a_raw_format_compresses_nothing_and_the_writer_can_bound_the_time(tmp_path, one_thread):
+    p = plan(layertap.load_model("layertap:shapes"), layertap.shapes.ShapesDataset(4), ["features.block1"], out=tmp_path / "f", format="npy", batch_size=2)
+    assert p.compress_bytes_per_s is None and p.compress_s == 0 and "compression: none (stored raw)" in str(p)
+    # the writer compresses a chunk, then writes it, beside the model: the slower bounds the time
+    slow_codec = dataclasses.replace(p, model_s=1.0, write_bytes_per_s=p.stored_bytes / 0.5, compress_bytes_per_s=p.total_bytes / 0.75)
+    assert slow_codec.bound == "compression" and slow_codec.seconds == pytest.approx(1.25)
+    slow_disk = dataclasses.replace(slow_codec, write_bytes_per_s=p.stored_bytes / 2.0)
+    assert slow_disk.bound == "store" and slow_disk.seconds == pytest.approx(2.75)
+    assert dataclasses.replace(p, model_s=3.0, write_bytes_per_s=p.stored_bytes / 2.0).bound == "model"
+
+
 def test_the_probe_file_is_removed_even_on_error(tmp_path, monkeypatch):
     def refuse(fd):
         raise OSError(28, "No space left on device")
@@ -80,7 +107,7 @@ def test_a_url_target_has_free_space_unknown(one_thread):
 
 
 def test_a_run_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch, one_thread):
-    monkeypatch.setattr(writer, "_free_space", lambda path: 1000)
+    monkeypatch.setattr(writer, "free_space", lambda path: 1000)
     out = tmp_path / "f.zarr"
     with pytest.raises(StoreError, match="the features need .* but only 1.0 KB is free"):
         plan(layertap.load_model("layertap:shapes"), layertap.shapes.ShapesDataset(4), ["features.block1"], out=out, batch_size=2)

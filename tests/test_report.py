@@ -446,7 +446,7 @@ def test_hover_pin_and_search_in_a_browser(shapes_page, shapes):
 
 
 @needs_chromium
-def test_without_scripts_the_page_keeps_its_sections(shapes, tmp_path):
+def test_without_scripts_the_page_keeps_its_sections(shapes_page, shapes, tmp_path):
     """Scripts off, the page reads the same: every section, the points (named in tooltips),
     the heatmap grid, the probe table; only the finder, which needs the script, is hidden."""
     with Browser(scripts=False, height=2000) as browser:

@@ -439,3 +439,37 @@ def test_the_card_says_what_made_the_store(llama, stores):
     assert card["skipped"] == [] and card["doc_ids"] is None and card["layertap"] == layertap.__version__
     assert card["tokenizer"]["hash"] and card["tokenizer"]["class"] == type(llama.tokenizer).__name__ and card["model"]
     assert len(np.unique(np.asarray(store.docs))) == len(TEXTS)
+
+
+def test_chunk_moments_in_any_order_equal_a_read_back_in_chunk_order():
+    """The statistics taken from chunks as they are written (out of order, some written before and
+    read back, some beyond what is held ahead) equal, bit for bit, each chunk read back in order."""
+    from types import SimpleNamespace
+
+    from layertap.extract.tokens import _ChunkMoments, _Moments
+    from layertap.store.format import ArraySpec
+
+    size, n = 5, 48
+    rows = torch.randn(n, 3, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).view(torch.int16).numpy()
+    spec = ArraySpec("h", "features/h", "h", None, (3, 4), "int16")
+    store = SimpleNamespace(
+        specs=[spec, ArraySpec("@docs", "features/@docs", "@docs", None, (), "int64")],
+        num_chunks=-(-n // size),
+        chunk_range=lambda c: (c * size, min(n, (c + 1) * size)),
+        backend=SimpleNamespace(array=lambda path: rows),
+    )
+    done = [0, 4]
+    moments = _ChunkMoments(store, SimpleNamespace(rank=0, world=1), done)
+    moments.AHEAD = 3
+    for c in [2, 1, 3, 9, 8, 7, 6, 5]:  # 1, 2, 3 wait for 0 (read back); 9 .. 6 are more than 3 ahead
+        start, end = store.chunk_range(c)
+        moments.written(c, {"h": rows[start:end].copy(), "@docs": np.zeros(end - start, dtype=np.int64)})
+    got = moments.total()["h"]
+    want = _Moments(12)
+    for c in range(store.num_chunks):
+        start, end = store.chunk_range(c)
+        want.merge(_Moments.of(torch.from_numpy(rows[start:end]).view(torch.bfloat16)))
+    assert got.n == n and np.array_equal(got.mean, want.mean) and np.array_equal(got.m2, want.m2) and got.norms == want.norms
+    reference = torch.from_numpy(rows).view(torch.bfloat16).double().reshape(n, -1).numpy()
+    np.testing.assert_allclose(got.mean, reference.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(got.m2 / n, reference.var(0), rtol=1e-10)

@@ -272,7 +272,7 @@ def test_fuzzed_metadata_is_refused_in_one_line_or_read_correctly(tmp_path, form
         original, meta = contents(store), store.meta
     rng = random.Random(f"fuzz-{format}")
     outcomes = {"refused": 0, "same": 0}
-    for trial in range(500):
+    for trial in range(250):
         mutated, what = mutate(meta, rng)
         write_meta(out, format, mutated)
         try:
@@ -288,7 +288,7 @@ def test_fuzzed_metadata_is_refused_in_one_line_or_read_correctly(tmp_path, form
         assert same(got, original), f"trial {trial}, {what}: read wrong data instead of refusing"
         outcomes["same"] += 1
     write_meta(out, format, meta)
-    assert outcomes["refused"] > 200 and outcomes["same"] > 20, outcomes  # both outcomes were exercised
+    assert outcomes["refused"] > 100 and outcomes["same"] > 10, outcomes  # both outcomes were exercised
     assert sorted(p.name for p in tmp_path.iterdir()) == [FORMATS[format]]  # nothing written beside it
 
 

@@ -131,10 +131,15 @@ def assert_same(got: Any, want: Any, where: str) -> None:
         assert got is want or got == want, f"{where}: got {got!r:.200}, want {want!r:.200}"
 
 
-def backward_checks(case: Case) -> None:
-    """Skip a torchvision variant's backward checks: they run on its family's model (see `zoo_models`)."""
+def on_family_model(case: Case, checks: str) -> None:
+    """Skip a torchvision variant's ``checks``: they run on its family's model, of the same module
+    code (see `zoo_models`)."""
     if case.spec.same_as:
-        pytest.skip(f"same architecture as {case.spec.same_as}, where the backward checks run")
+        pytest.skip(f"same architecture as {case.spec.same_as}, where {checks} run")
+
+
+def backward_checks(case: Case) -> None:
+    on_family_model(case, "the backward checks")
 
 
 def first_float(value: Any) -> torch.Tensor | None:
@@ -499,6 +504,7 @@ def _slots(grads: Any, output: Any) -> list[Any]:
 @zoo("summary")
 def test_summary(case):
     """One row per module: the ones that ran in first-call order with their calls, then the rest."""
+    on_family_model(case, "the summary checks")
     ref = reference_run(case)
     args, kwargs = case.inputs[0]
     table = layertap.summary(case.model, *args, **kwargs)

@@ -37,7 +37,7 @@ class Spec:
     inputs: Callable[[torch.Generator], tuple[tuple, dict]]
     vision: bool  # a [B, C, H, W] image classifier: Grad-CAM applies
     note: str = ""
-    same_as: str | None = None  # a variant of this model: the backward checks run there only
+    same_as: str | None = None  # a variant of this model: the backward checks and the summary run there only
 
 
 # ------------------------------------------------------------------------------ fast init
@@ -226,9 +226,11 @@ def _images(size: int, batch: int) -> Callable[[torch.Generator], tuple[tuple, d
     return lambda g: ((torch.randn(batch, 3, size, size, generator=g),), {})
 
 
-# The backward checks (every module's gradient in two runs, Grad-CAM) cost about ten forwards, so on
+# The backward checks (every module's gradient in two runs, Grad-CAM) cost about ten forwards, and
+# the summary (its table's rows and calls: the code's module tree and order) another, so on
 # torchvision they run once per architecture: on the model named here for each family of
-# variants that share its code and differ in widths, depths, groups or patch size only.
+# variants that share its code and differ in widths, depths, groups or patch size only. Every
+# variant's own forward values are checked still (test_values, test_keep_all, test_stop_early).
 TV_BACKWARD = {
     "resnet34": "resnet18",  # (basic blocks; the other ResNets have bottlenecks)
     "convnext": "convnext_tiny", "densenet": "densenet121", "efficientnet_b": "efficientnet_b0",

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
-from .select import Layers, Spec, selection
+from .select import Layers, OpName, Spec, selection
 from .tap import Inputs, Tap, masks, tap
 from .tap.controls import shares_memory
 from .tap.ops import running_call
@@ -187,16 +187,19 @@ def _sdpa(
         k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
     factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
     # scaled and masked in place: each new [B, H, Q, K] tensor costs its memory and, on a CPU, its page faults
-    scores = (q @ k.transpose(-2, -1)).mul_(factor)
+    scores = q @ k.transpose(-2, -1)
     hidden = None
-    if is_causal:  # top-left aligned, as PyTorch's is_causal
-        at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
-        scores.masked_fill_(at[..., None] < torch.arange(keys, device=q.device), -math.inf)
     if attn_mask is not None:
         if terms is None:
             terms = _Terms(_materialize(attn_mask, query.device), rows, dims, dtype)
-        scores.add_(terms.bias)  # a mask broadcasts to the weights' shape (SDPA's own rule)
+        # bias + factor * scores in one pass; a mask broadcasts to the weights' shape (SDPA's own rule)
+        torch.add(terms.bias, scores, alpha=factor, out=scores)
         hidden = terms.hidden
+    else:
+        scores.mul_(factor)
+    if is_causal:  # top-left aligned, as PyTorch's is_causal
+        at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
+        scores.masked_fill_(at[..., None] < torch.arange(keys, device=q.device), -math.inf)
     weights = torch.softmax(scores, -1)
     if hidden is not None:  # rows every key of which is masked are zero, as PyTorch's kernels give
         weights.masked_fill_(hidden, 0.0)
@@ -486,15 +489,13 @@ class Attention(Mapping[str, torch.Tensor]):
 
     def _read(self, name: str, kind: str, value: Any) -> None:
         op = self._selection.ops.get(name)
+        if op is None or op.op == _SDPA:  # read from the inputs: an output is passed by as it is, at no cost
+            if kind == "input":
+                with torch.no_grad():
+                    self._read_inputs(name, op, value)
+            return
         with torch.no_grad():
-            if op is None:
-                if kind == "input":
-                    self._put(name, self._from_mha(name, value))
-            elif op.op == _SDPA:
-                if kind == "input":
-                    self._sdpa.add(op.module)
-                    self._put(op.module, self._from_sdpa(value))
-            elif kind == "input":  # softmax: attention only over the last dim
+            if kind == "input":  # softmax: attention only over the last dim
                 # the call's own arguments: for softmax(x, dim=-1) the tap hands over x only
                 call = running_call()
                 a = _arguments(value if call is None else Inputs(call[1], call[2]), ("input", "dim"))
@@ -507,6 +508,14 @@ class Attention(Mapping[str, torch.Tensor]):
                 at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
                 kept = _heads(_take_rows(weights, at, 4), self.heads).to(_dtype(weights))
                 self._put(op.module, kept.clone() if shares_memory(kept, weights) else kept)
+
+    def _read_inputs(self, name: str, op: OpName | None, value: Any) -> None:
+        """An nn.MultiheadAttention's inputs (``op`` None) or a scaled_dot_product_attention call's."""
+        if op is None:
+            self._put(name, self._from_mha(name, value))
+        else:
+            self._sdpa.add(op.module)
+            self._put(op.module, self._from_sdpa(value))
 
     def _put(self, name: str, weights: torch.Tensor) -> None:
         if self.to is not None:

@@ -213,10 +213,12 @@ class TokenForward:
         return {name: next(iter(nested.tensors(self.tap[name])), None) for name in self.names}
 
     def _prove(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
-        """Find each layer's token dimension: the one that follows the padded length when the same
-        batch runs again one padding token longer (real tokens compute the same: see above)."""
+        """Find each layer's token dimension: the one that follows the padded length when the
+        batch's first two units run again one padding token longer (real tokens compute the same:
+        see above). Two, not the batch: only the shapes after the batch dimension are compared (and
+        two keep it where a model squeezes a batch of one)."""
         ids = model_inputs["input_ids"]
-        again = self._run(longer_by_one(model_inputs, self.pad_id))
+        again = self._run(longer_by_one({k: v[:2] for k, v in model_inputs.items()}, self.pad_id))
         for name, t in outputs.items():
             other = again[name]
             dim = token_dim(None if t is None else t.shape, None if other is None else other.shape, ids.shape[0], ids.shape[1])

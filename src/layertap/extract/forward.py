@@ -1,7 +1,7 @@
 """The model under one tap, batch after batch, and the proof that each output is batch-first.
 
 A store holds one row per sample, so every tapped output must have the batch as its first
-dimension: `_Forward` knows that rather than guessing it (see its docstring).
+dimension: `SampleForward` knows that rather than guessing it (see its docstring).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ModelForward(Protocol):
     def __call__(self, inputs: Any, n: int) -> Leaves: ...
 
 
-class _Forward:
+class SampleForward:
     """The model under one tap, batch after batch: ``{(layer, leaf index or None): tensor}``.
 
     Each output is stored one row per sample, so its batch dimension must be the first. That is

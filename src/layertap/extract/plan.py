@@ -8,8 +8,11 @@ probe file beside the target (`write_bandwidth`, removed afterwards, even on err
   `layertap.extract.token_plan.token_sizes`) and the store's size, uncompressed;
 - the free space at the target (``None``, unknown, for an object-store URL); a run that cannot
   fit on a local disk is refused, in the words and by the check a run itself uses;
-- the projected wall time, the larger of the model's (rows over the measured throughput) and the
-  store's (the compressed size over the measured write bandwidth), and which of them bounds it;
+- the store's compression throughput (`compression`: the first batch's features encoded with the
+  store's own codec);
+- the projected wall time: the model's (rows over the measured throughput) beside the writer
+  thread's (compressing the store, then writing its compressed size at the measured bandwidth),
+  the larger of the two, and what bounds it: the model, the compression or the store;
 - reductions that shrink the store, each with its size: float16, ``reduce="mean"`` (feature maps),
   ``tokens="last"`` (token stores), and leaving out the largest layer.
 
@@ -18,7 +21,7 @@ probe file beside the target (`write_bandwidth`, removed afterwards, even on err
 >>> from layertap.shapes import ShapesDataset
 >>> model = layertap.load_model("layertap:shapes")
 >>> p = plan(model, ShapesDataset(8), ["features.block1"], out=os.path.join(tempfile.mkdtemp(), "f.zarr"), batch_size=2)
->>> p.rows, p.layers[0].shape, p.bound in ("model", "store")
+>>> p.rows, p.layers[0].shape, p.bound in ("model", "compression", "store")
 (8, (24, 32, 32), True)
 """
 
@@ -40,23 +43,22 @@ from ..data import Batch, OnError, open_data
 from ..errors import ArgumentError, StoreError
 from ..modelinfo import model_info
 from ..select import Layers, select
-from ..store.backends import _BACKENDS
+from ..store.backends import BACKENDS
 from ..store.format import StorePlan, array_key, array_specs
 from ..store.paths import Location, is_url
-from ..store.writer import _check_room, _free_space
+from ..store.writer import check_room, free_space
 from ..tables import Table
 from ..tap.controls import Reduce, as_dtype, reducer
 from ..units import human_bytes
-from .batches import TokenForward, TokenSource
-from .corpus import read_corpus
-from .forward import Leaves, _Forward
-from .run import _numpy_dtype, _target
-from .token_plan import pad_id, plan_tokens, token_sizes
+from .batches import TokenForward
+from .forward import Leaves, ModelForward, SampleForward
+from .run import numpy_dtype, resolve_target
+from .token_plan import INDEX_BYTES, pad_id, plan_tokens, sizes_of
 from .units import TokenPolicy
 
 TIMED = 3  # batches timed after the warm-up
 PROBE_BYTES = 32 << 20  # written and synced to measure the target's write bandwidth
-_INDEX_BYTES = 8  # a row's index (the ids array) and, with labels, its int64 label
+CODEC_S = 0.1  # the least time the store's compressor is timed for
 _CORPUS_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 
 
@@ -84,7 +86,8 @@ class Plan:
 
     ``unit`` is ``"sample"`` or ``"token"``: what a row is. ``stored_bytes`` is the size on disk
     (compressed as the format compresses); ``free_bytes`` and ``write_bytes_per_s`` are ``None``
-    for an object store, which tells neither.
+    for an object store, which tells neither; ``compress_bytes_per_s`` (raw bytes per second the
+    store's codec encodes) is ``None`` for a format that stores raw.
     """
 
     target: str
@@ -97,6 +100,7 @@ class Plan:
     free_bytes: int | None
     model_s: float
     write_bytes_per_s: float | None
+    compress_bytes_per_s: float | None = None
     reductions: list[Reduction] = field(default_factory=list)
 
     @property
@@ -110,16 +114,26 @@ class Plan:
 
     @property
     def store_s(self) -> float | None:
+        """Seconds to write the compressed store (``None``: unknown, object storage)."""
         return None if self.write_bytes_per_s is None else self.stored_bytes / self.write_bytes_per_s
 
     @property
-    def seconds(self) -> float:
-        """The projected wall time: the model and the writer run side by side, the slower bounds it."""
-        return max(self.model_s, self.store_s or 0.0)
+    def compress_s(self) -> float:
+        """Seconds the store's compressor takes over the whole store (0: the format stores raw)."""
+        return 0.0 if self.compress_bytes_per_s is None else self.total_bytes / self.compress_bytes_per_s
 
     @property
-    def bound(self) -> Literal["model", "store"]:
-        return "store" if (self.store_s or 0.0) > self.model_s else "model"
+    def seconds(self) -> float:
+        """The projected wall time: the model, and beside it the writer thread, which compresses
+        each chunk and then writes it; the slower of the two bounds it."""
+        return max(self.model_s, self.compress_s + (self.store_s or 0.0))
+
+    @property
+    def bound(self) -> Literal["model", "compression", "store"]:
+        """What bounds `seconds`: the model, or the writer's larger part."""
+        if self.compress_s + (self.store_s or 0.0) <= self.model_s:
+            return "model"
+        return "compression" if self.compress_s > (self.store_s or 0.0) else "store"
 
     def table(self) -> Table:
         rows = [[a.layer, str(list(a.shape)), a.dtype, f"{a.bytes_per_row:,}", human_bytes(a.bytes_per_row * self.rows)] for a in self.layers]
@@ -128,13 +142,15 @@ class Plan:
         free = "unknown (object storage)" if self.free_bytes is None else human_bytes(self.free_bytes)
         write = "unknown (object storage)" if self.write_bytes_per_s is None else f"{human_bytes(self.write_bytes_per_s)}/s"
         store = "" if self.store_s is None else f", store {self.store_s:.3g} s"
+        codec = "none (stored raw)" if self.compress_bytes_per_s is None else f"{human_bytes(self.compress_bytes_per_s)}/s"
         facts = [
             ("target", f"{self.target} ({self.format})"),
             ("rows", f"{self.rows:,} {self.unit}s"),
             ("size", f"{human_bytes(self.total_bytes)} uncompressed ({self.bytes_per_row:,} bytes per {self.unit}), ~{human_bytes(self.stored_bytes)} on disk"),
             ("free space", free),
             ("write bandwidth", write),
-            ("projected time", f"{self.seconds:.3g} s, bound by the {self.bound} (model {self.model_s:.3g} s{store})"),
+            ("compression", codec),
+            ("projected time", f"{self.seconds:.3g} s, bound by the {self.bound} (model {self.model_s:.3g} s, compression {self.compress_s:.3g} s{store})"),
         ]
         notes = [f"smaller: {r.option}: {human_bytes(r.total_bytes)}" for r in self.reductions]
         return Table(["array", f"shape per {self.unit}", "dtype", f"bytes/{self.unit}", "size"], rows, numeric={f"bytes/{self.unit}", "size"}, facts=facts, notes=notes)
@@ -170,7 +186,7 @@ def write_bandwidth(out: Location, size: int = PROBE_BYTES) -> float | None:
     return max(1, size // len(block)) * len(block) / max(elapsed, 1e-9)
 
 
-def _timed(batches: Iterator[Batch], forward: Callable[[Batch], Leaves], work: Callable[[Batch], int], device: torch.device) -> tuple[Batch, Leaves, float]:
+def _timed(batches: Iterator[Batch], forward: ModelForward, work: Callable[[Batch], int], device: torch.device) -> tuple[Batch, Leaves, float]:
     """The first readable batch and its features, and the seconds per unit of ``work`` over the
     next `TIMED` batches (reading them included, as a run reads them); the warm-up's, if it is all."""
     timed: list[tuple[int, float]] = []  # (work, seconds) of each batch, the warm-up first
@@ -179,7 +195,7 @@ def _timed(batches: Iterator[Batch], forward: Callable[[Batch], Leaves], work: C
         start = time.perf_counter()
         for batch in batches:
             if len(batch):
-                leaves = forward(batch)
+                leaves = forward(batch.inputs, len(batch))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 first = first or (batch, leaves)
@@ -195,13 +211,28 @@ def _timed(batches: Iterator[Batch], forward: Callable[[Batch], Leaves], work: C
     return *first, sum(s for _, s in measured) / max(1, sum(w for w, _ in measured))
 
 
-def _refuse_if_no_room(out: Location, fmt: str, leaves: Leaves, rows: int) -> float:
+def _check_store(out: Location, fmt: str, leaves: Leaves, rows: int) -> tuple[float, float | None]:
     """The run's own check (`layertap.store.writer`): a store of ``rows`` rows of these features
-    that the disk has no room for is refused; the format's compression ratio."""
+    that the disk has no room for is refused. Then `compression` of the features."""
     arrays = {array_key(*k): t.detach().cpu().numpy() for k, t in leaves.items()}
-    specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
-    _check_room(out, fmt, StorePlan(specs, rows, rows, None, None, arrays), lambda m: None)
-    return _BACKENDS[fmt].ratio(arrays)
+    specs = array_specs([(*k, tuple(t.shape[1:]), numpy_dtype(t.dtype)) for k, t in leaves.items()])
+    check_room(out, fmt, StorePlan(specs, rows, rows, None, None, arrays), lambda m: None)
+    return compression(fmt, arrays)
+
+
+def compression(fmt: str, arrays: dict[str, np.ndarray]) -> tuple[float, float | None]:
+    """The fraction of its size a batch of features keeps in a store of format ``fmt``, and the
+    raw bytes per second its compressor encodes (``None``: the format stores them raw), timed
+    over at least `CODEC_S` seconds of encoding the batch again and again."""
+    encode = BACKENDS[fmt].ratio  # compresses with the codec the store writes with
+    ratio = encode(arrays)  # also the warm-up
+    if ratio == 1.0:  # no codec: a compressor's output always differs in size (Blosc adds a header)
+        return ratio, None
+    runs, start = 0, time.perf_counter()
+    while runs == 0 or time.perf_counter() - start < CODEC_S:
+        encode(arrays)
+        runs += 1
+    return ratio, runs * sum(a.nbytes for a in arrays.values()) / max(time.perf_counter() - start, 1e-9)
 
 
 def _fewer_layers(layers: list[PlannedArray], total: int, rows: int) -> list[Reduction]:
@@ -254,17 +285,15 @@ def plan(
         text = _is_corpus(data)
     if text and reduce is not None:
         raise ArgumentError("reduce= does not apply to a corpus: a token store keeps each token's features, unpooled")
-    target, fmt, _, device, run_device = _target(model, out, format, device, False, "off", None)
+    target, fmt, _, device, run_device = resolve_target(model, out, format, device, False, "off", None)
     if text:
-        texts = read_corpus(data, text_field=text_field, id_field=id_field).docs[:limit] if limit is not None else data
         size = batch_size or 32
-        sizes = token_sizes(model, texts, names, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=stored,
-                            text_field=text_field, id_field=id_field, on_error=on_error, device=run_device)
-        few = plan_tokens(model, texts, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=stored, text_field=text_field,
-                          id_field=id_field, on_error=on_error, limit=size * (TIMED + 1))
-        source = TokenSource(few.units, batch_size=size, pad_id=pad_id(few.tokenizer), description=few.corpus.description)
-        forward = TokenForward(model, names, stored, run_device, batch_size=size, pad_id=pad_id(few.tokenizer))
-        _, leaves, per_token = _timed(source.batches(), lambda b: forward(b.inputs, len(b)), _seen_tokens, run_device)
+        tokenized = plan_tokens(model, data, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=stored,
+                                text_field=text_field, id_field=id_field, on_error=on_error, limit=limit)  # the corpus, tokenized once
+        sizes = sizes_of(model, tokenized, names, run_device)
+        forward = TokenForward(model, names, stored, run_device, batch_size=size, pad_id=pad_id(tokenized.tokenizer))
+        source = tokenized.first(size * (TIMED + 1), size)
+        _, leaves, per_token = _timed(source.batches(), forward, _seen_tokens, run_device)
         arrays = [PlannedArray(s.layer, (s.width,), s.dtype, s.bytes_per_token) for s in sizes.layers]
         rows, extra, model_s = sizes.tokens, sizes.extra_bytes_per_token, per_token * sizes.tokens_seen
         last = [Reduction("tokens='last'", sizes.documents * sizes.bytes_per_token)] if tokens != "last" else []
@@ -274,17 +303,17 @@ def plan(
         if not samples.num_samples:
             known = "holds no samples" if samples.num_samples == 0 else "has no known length: plan a Dataset, an image folder or an array"
             raise StoreError(f"{samples.description} {known}")
-        forward_samples = _Forward(model, names, reduce, stored, run_device)
-        batch, leaves, per_sample = _timed(samples.batches(None), lambda b: forward_samples(b.inputs, len(b)), len, run_device)
+        batch, leaves, per_sample = _timed(samples.batches(None), SampleForward(model, names, reduce, stored, run_device), len, run_device)
         rows = samples.num_samples
-        arrays = [PlannedArray(array_key(*k), tuple(t.shape[1:]), _numpy_dtype(t.dtype), t[0].numel() * t.element_size()) for k, t in leaves.items()]
-        extra, model_s = _INDEX_BYTES * (1 if batch.labels is None else 2), per_sample * rows
+        arrays = [PlannedArray(array_key(*k), tuple(t.shape[1:]), numpy_dtype(t.dtype), t[0].numel() * t.element_size()) for k, t in leaves.items()]
+        extra, model_s = INDEX_BYTES * (1 if batch.labels is None else 2), per_sample * rows  # the ids array, and int64 labels
         maps = sum(a.bytes_per_row - a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays if len(a.shape) > 1)
         last = [Reduction("reduce='mean'", (sum(a.bytes_per_row for a in arrays) + extra - maps) * rows)] if reduce is None and maps else []
-    ratio = _refuse_if_no_room(target, fmt, leaves, rows)
+    ratio, compress = _check_store(target, fmt, leaves, rows)
     total = rows * (sum(a.bytes_per_row for a in arrays) + extra)
     reductions = [*_half(arrays, total, rows), *last, *_fewer_layers(arrays, total, rows)]
-    return Plan(str(target), fmt, "token" if text else "sample", rows, arrays, extra, int(total * ratio), _free_space(target), model_s, write_bandwidth(target), reductions)
+    unit: Literal["sample", "token"] = "token" if text else "sample"
+    return Plan(str(target), fmt, unit, rows, arrays, extra, int(total * ratio), free_space(target), model_s, write_bandwidth(target), compress, reductions)
 
 
 def _seen_tokens(batch: Batch) -> int:
@@ -299,4 +328,4 @@ def _is_corpus(data: Any) -> bool:
     return isinstance(data, (list, tuple)) and bool(data) and isinstance(data[0], (str, list, dict))
 
 
-__all__ = ["Plan", "PlannedArray", "Reduction", "plan", "write_bandwidth"]
+__all__ = ["Plan", "PlannedArray", "Reduction", "compression", "plan", "write_bandwidth"]

@@ -32,7 +32,7 @@ from ..store.reader import FeatureStore
 from ..store.writer import StoreWriter
 from ..tap.controls import Reduce, as_dtype, reducer
 from .digests import Verifier, batch_digests, failed_digests
-from .forward import Leaves, ModelForward, _Forward
+from .forward import Leaves, ModelForward, SampleForward
 from .settings import Verify, _check_same_everywhere, _difference, _settings, _store_meta, _tolerance
 from .sink import _Sink
 
@@ -40,7 +40,7 @@ CHUNK_BYTES = 16 << 20  # aim for chunks of about this size (all layers together
 MAX_CHUNK = 4096  # samples: also the granularity of resuming
 
 
-def _numpy_dtype(dtype: torch.dtype) -> str:
+def numpy_dtype(dtype: torch.dtype) -> str:
     return str(torch.empty(0, dtype=dtype).numpy().dtype)
 
 
@@ -150,7 +150,7 @@ def extract_dataset(
     names = select(model, layers)  # unknown layers fail here, before any work
     reducer(reduce)
     dtype = as_dtype(dtype)
-    out, fmt, world, device, run_device = _target(model, out, format, device, distributed, verify, chunk_size)
+    out, fmt, world, device, run_device = resolve_target(model, out, format, device, distributed, verify, chunk_size)
     info = model_info(model)
     transform = transform or info.transform
     source = open_data(
@@ -175,14 +175,14 @@ def extract_dataset(
         settings = _settings(model, names, reduce, dtype, source)
         _check_same_everywhere(procs, settings)
         meta = _store_meta(settings, info.spec or type(model).__name__, source, fmt)
-        forward = _Forward(model, names, reduce, dtype, run_device)
+        forward = SampleForward(model, names, reduce, dtype, run_device)
         return _Run(forward, source, out, format, meta, progress, chunk_size, procs, verify=verify, rtol=_tolerance(verify, model, dtype))
 
     run_job(make, device, distributed, resume=resume, overwrite=overwrite)
     return FeatureStore(out)
 
 
-def _target(
+def resolve_target(
     model: nn.Module, out: str | Path, format: str | None, device: torch.device | str | None, distributed: bool, verify: str, chunk_size: int | None
 ) -> tuple[Location, str, int, torch.device | str | None, torch.device]:
     """Check where a run writes and how: the store's location and format, the job's size, this
@@ -342,7 +342,7 @@ class _Run:
         return StoreError(f"no sample of {self.source.description} could be read ({len(failed)} failed{first})")
 
     def _store_plan_of(self, batch: Batch, leaves: Leaves) -> StorePlan:
-        specs = array_specs([(*k, tuple(t.shape[1:]), _numpy_dtype(t.dtype)) for k, t in leaves.items()])
+        specs = array_specs([(*k, tuple(t.shape[1:]), numpy_dtype(t.dtype)) for k, t in leaves.items()])
         size = _chunk_size(
             self._granule(batch), sum(s.sample_bytes for s in specs), self.chunk_size, self.source.num_samples, self.procs.dp_world, self.MOST
         )
@@ -446,8 +446,8 @@ class _Run:
     def _check(self, arrays: dict[str, torch.Tensor], batch: Batch) -> None:
         for spec in self.store.specs:
             t = arrays.get(spec.key)
-            if t is None or tuple(t.shape[1:]) != spec.shape or _numpy_dtype(t.dtype) != spec.dtype:
-                got = "nothing" if t is None else f"{list(t.shape[1:])} {_numpy_dtype(t.dtype)}"
+            if t is None or tuple(t.shape[1:]) != spec.shape or numpy_dtype(t.dtype) != spec.dtype:
+                got = "nothing" if t is None else f"{list(t.shape[1:])} {numpy_dtype(t.dtype)}"
                 raise StoreError(
                     f"{spec.key!r} gave {got} per sample at sample {batch.ids[0]!r}, but the store holds "
                     f"{list(spec.shape)} {spec.dtype}: samples must give one feature shape (resize inputs to one "

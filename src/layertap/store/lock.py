@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import StoreError, StoreLockedError
 from ..printable import printable
-from .backends import _BACKENDS
+from .backends import BACKENDS
 from .format import _LOCK
 from .paths import Location, _one_line, is_url, url_failed, url_fs
 
@@ -58,7 +58,7 @@ class StoreLock:
             path = Path(str(path).removeprefix("file://"))
         if is_url(path):
             self.file: Location = f"{str(path).rstrip('/')}/{_LOCK}"
-        elif _BACKENDS[format].ONE_FILE:  # beside the file itself: a symlink to it meets the same lock
+        elif BACKENDS[format].ONE_FILE:  # beside the file itself: a symlink to it meets the same lock
             real = Path(os.path.realpath(path))
             self.file = real.with_name(f".{real.name}{_LOCK}")
         else:

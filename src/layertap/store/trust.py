@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import StoreError
 from ..records import SkippedSample
-from .backends import _BACKENDS, _Backend, detect_format
+from .backends import BACKENDS, _Backend, detect_format
 from .format import _ARRAY_PATH, _STORE_VERSION, Marker, _specs, array_key
 from .paths import Location, _bad, _one_line
 
@@ -217,7 +217,7 @@ def _open_backend(path: Location, mode: str, format: str | None = None, *, half_
     if format is None:
         raise StoreError(f"no layertap feature store at {path} (a Zarr folder, an HDF5 file or a folder of .npy files)")
     try:
-        backend = _BACKENDS[format](path, mode)
+        backend = BACKENDS[format](path, mode)
     except StoreError:
         raise
     except Exception as e:  # the format's library could not read it at all

@@ -25,7 +25,7 @@ from ..atomic import reason
 from ..errors import StoreError
 from ..records import SkippedSample
 from ..units import human_bytes
-from .backends import _BACKENDS, _Backend
+from .backends import BACKENDS, _Backend
 from .format import _STORE_VERSION, Marker, StorePlan, _specs, _storable_id, _storage_rows, fill_value
 from .lock import StoreLock
 from .paths import Location, _bad, _one_line, is_url, location
@@ -49,18 +49,20 @@ class StoreWriter:
         self.lock: StoreLock | None = None
         self.state = "new"
         self.broken = False  # a write failed: the store stays incomplete
+        # called with each chunk's number and rows once it is marked (the token run's statistics)
+        self.on_chunk: Callable[[int, Mapping[str, np.ndarray]], None] | None = None
 
     @classmethod
     def create(cls, path: str | Path, format: str, meta: dict, plan: StorePlan, *, say: Callable[[str], None] = lambda m: None) -> StoreWriter:
         """A new store at ``path`` laid out as ``plan``, once the disk is known to hold it."""
         path = location(path)
         n, chunk_size = plan.num_samples, plan.chunk_size
-        if n is None and not _BACKENDS[format].GROWS:
+        if n is None and not BACKENDS[format].GROWS:
             raise StoreError(
                 f"the {format} format needs the number of samples before writing, and this data does not say it: "
                 "use format='zarr' or 'hdf5', or give data with a length (a Dataset, a list)"
             )
-        _check_room(path, format, plan, say)
+        check_room(path, format, plan, say)
         rows = n or 0
         ids = None if plan.ids is None else [_storable_id(i) for i in (plan.ids[:rows] if n is not None else plan.ids)]
         meta = {
@@ -74,7 +76,7 @@ class StoreWriter:
             "ids": "index" if ids is None else "path",
             "labels": plan.labels_dtype,
         }
-        backend = _BACKENDS[format](path, "w")
+        backend = BACKENDS[format](path, "w")
         try:
             backend.write_meta({**meta, "ready": False})  # first: a half-made store is known as ours
             for spec in plan.specs:
@@ -128,7 +130,8 @@ class StoreWriter:
     ) -> None:
         """Write the rows of ``chunk`` (all of them, failed ones filled) and hand them to the disk,
         then its marker. A write the disk refuses (full, read-only, I/O error) raises `StoreError`
-        and leaves the chunk unmarked, to be written again by a resumed run."""
+        and leaves the chunk unmarked, to be written again by a resumed run. Then `on_chunk`, if
+        set, sees the rows (its failure fails the run, the chunk staying written)."""
         start, _ = self.chunk_range(chunk)
         n = len(arrays[self.specs[0].key])
         try:
@@ -146,6 +149,8 @@ class StoreWriter:
             raise self._write_error(e) from e
         if self.lock is not None:
             self.lock.renew()
+        if self.on_chunk is not None:
+            self.on_chunk(chunk, arrays)
 
     def _write_error(self, e: OSError | RuntimeError) -> StoreError:
         if not isinstance(e, OSError) and (found := re.search(r"errno = (\d+)", str(e))):  # HDF5's text
@@ -188,7 +193,7 @@ class StoreWriter:
 
 
 
-def _free_space(path: Location) -> int | None:
+def free_space(path: Location) -> int | None:
     """Free bytes where ``path`` goes; ``None`` for an object store (it does not say)."""
     if is_url(path):
         return None
@@ -198,16 +203,16 @@ def _free_space(path: Location) -> int | None:
     return shutil.disk_usage(path).free
 
 
-def _check_room(path: Location, format: str, plan: StorePlan, say: Callable[[str], None]) -> None:
+def check_room(path: Location, format: str, plan: StorePlan, say: Callable[[str], None]) -> None:
     """Tell the size a store of ``plan`` takes, and refuse one that the disk has no room for."""
     n, specs = plan.num_samples, plan.specs
     sample_bytes = sum(s.sample_bytes for s in specs)
-    ratio = _BACKENDS[format].ratio(plan.sample)
+    ratio = BACKENDS[format].ratio(plan.sample)
     if n is None:
         say(f"writing ~{human_bytes(sample_bytes * ratio)} per sample to {path} ({format}); the number of samples is not known yet")
         return
     need = int(sample_bytes * ratio * n) + n * 8
-    free = _free_space(path)
+    free = free_space(path)
     room = "free space unknown" if free is None else f"{human_bytes(free)} free"
     say(f"~{human_bytes(need)} for {n:,} samples × {len(specs)} arrays ({human_bytes(sample_bytes)} per sample) to {path} ({format}); {room}")
     if free is not None and need > free:
