@@ -11,7 +11,9 @@ whole by NumPy (``np.asarray(store[layer])``), indexed by the batch's ``"index"`
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ import transformers
 
 import layertap
 from layertap.errors import ArgumentError
-from layertap.tokenloader import TokenLoader
+from layertap.tokenloader import TokenLoader, _hdf5_map
 
 LAYERS = ["encoder.layer.0", "encoder.layer.1"]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "fields", "under", "bright", "skies"]
@@ -206,6 +208,65 @@ def test_a_pickled_loader_opens_its_store_again(stores):
     loader = TokenLoader(stores["hdf5"], batch_size=32, **MEDIUM)
     copy = pickle.loads(pickle.dumps(loader))
     assert all(torch.equal(a[k], b[k]) for a, b in zip(epoch(copy), epoch(loader), strict=True) for k in a)
+
+
+# ------------------------------------------------------------------------------ HDF5 as a memory map
+def test_an_hdf5_store_is_gathered_from_a_memory_map_of_its_file(stores):
+    store = stores["hdf5"]
+    for layer in LAYERS:
+        mapped = _hdf5_map(store[layer])
+        assert isinstance(mapped, np.memmap) and os.path.samefile(mapped.filename, store.path)
+        assert np.array_equal(mapped, store[layer][:])  # h5py's own read
+
+
+@pytest.mark.parametrize("layout", ["chunks in order", "contiguous", "big-endian", "gzip", "chunks out of order", "never written"])
+def test_an_hdf5_array_is_mapped_only_where_its_rows_lie_in_the_file_as_they_are(tmp_path, layout):
+    import h5py
+
+    values = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        if layout == "chunks in order":
+            f.create_dataset("x", data=values, chunks=(8, 6))
+        elif layout == "contiguous":
+            f.create_dataset("x", data=values)
+        elif layout == "big-endian":
+            f.create_dataset("x", data=values.astype(">f4"), chunks=(16, 6))  # 3 chunks, the last one partly used
+        elif layout == "gzip":
+            f.create_dataset("x", data=values, chunks=(8, 6), compression="gzip")
+        elif layout == "chunks out of order":  # chunks are allocated as they are first written: last first
+            x = f.create_dataset("x", shape=values.shape, dtype=values.dtype, chunks=(8, 6))
+            for start in range(32, -1, -8):
+                x[start : start + 8] = values[start : start + 8]
+        else:
+            f.create_dataset("x", shape=values.shape, dtype=values.dtype)  # contiguous, with no storage yet
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        mapped = _hdf5_map(f["x"])
+    if layout in ("gzip", "chunks out of order", "never written"):
+        assert mapped is None
+    else:
+        assert mapped is not None and np.array_equal(mapped, values)
+
+
+def test_an_hdf5_store_whose_chunks_are_out_of_order_is_read_through_hdf5(stores, tmp_path):
+    """A store rewritten by another tool (its layer's chunks in reverse order in the file) is read
+    by h5py into the buffer, with the same batches as the mapped original."""
+    import h5py
+
+    store = stores["hdf5"]
+    copy = tmp_path / "copy.h5"
+    shutil.copy(store.path, copy)
+    with h5py.File(copy, "r+") as f:
+        name = store.features._specs[LAYERS[0]]["path"]
+        old = f[name]
+        values, chunks = old[:], (256, *old.shape[1:])  # smaller than the store's: many chunks
+        del f[name]
+        new = f.create_dataset(name, shape=values.shape, maxshape=(None, *values.shape[1:]), dtype=values.dtype, chunks=chunks)
+        for start in reversed(range(0, len(values), chunks[0])):
+            new[start : start + chunks[0]] = values[start : start + chunks[0]]
+    reordered = layertap.open_tokens(copy)
+    assert _hdf5_map(reordered[LAYERS[0]]) is None and _hdf5_map(reordered[LAYERS[1]]) is not None
+    for a, b in zip(epoch(TokenLoader(reordered, batch_size=64, **MEDIUM)), epoch(TokenLoader(store, batch_size=64, **MEDIUM)), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ------------------------------------------------------------------------------ resuming

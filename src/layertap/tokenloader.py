@@ -34,10 +34,13 @@ class TokenLoader(IterableDataset):
     by ``seed`` and the epoch (`set_epoch`), takes ``buffer_size`` rows of that sequence at a
     time (by default 128 MiB of rows, rounded up to a multiple of ``batch_size``) and deals them
     out in a random order seeded by the buffer too. Reads are large and contiguous, the shuffle
-    is in memory: with a warm page cache, a shuffled epoch of a 200 MB store took 1.0-1.3x
-    (Zarr), 1.3-1.5x (HDF5) and 1.35-1.5x (NumPy, whose rows are gathered straight from its
-    memory map) the time of a sequential read (``benchmarks/bench_token_loader.py``, glibc's
-    allocator as it comes and tuned, on a busy 2-core machine).
+    is in memory. A NumPy store's rows, and an HDF5 store's (uncompressed, chunk after chunk in
+    its file), are gathered straight from a memory map of the file; a Zarr store's blocks are
+    decompressed into the buffer. With a warm page cache, a shuffled epoch of a 200 MB store took
+    1.21-1.27x (Zarr), 1.25-1.30x (HDF5) and 1.38-1.57x (NumPy) the time of a sequential read
+    (``benchmarks/bench_token_loader.py``, glibc's allocator as it comes and tuned, on an idle
+    2-core machine). A NumPy store's sequential read is a plain copy from the page cache, which
+    a gather of rows in random order cannot match.
     ``shuffle=False`` reads the rows in order.
 
     **Mixing.** A batch's rows come from one buffer, so documents mix at the buffer's scale:
@@ -103,8 +106,8 @@ class TokenLoader(IterableDataset):
         self._pid = os.getpid()
         self.layers = _check_layers(self._store, layers)
         self._rows = {layer: _row(self._store, layer) for layer in self.layers}  # (shape, dtype) of one row
-        # a memory map (NumPy format) is already in memory, the page cache: its rows are gathered straight from it
-        self._mapped = {layer for layer in self.layers if isinstance(self._store[layer], np.ndarray)}
+        # a memory map (a NumPy store's, or an uncompressed HDF5 file's) is the page cache: its rows are gathered straight from it
+        self._maps = _memory_maps(self._store, self.layers)
         self.rows = len(self._store)
         self.batch_size = _count("batch_size", batch_size)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
@@ -181,13 +184,14 @@ class TokenLoader(IterableDataset):
         """This process's store: a worker opens its own (an HDF5 handle must not cross a fork)."""
         if self._pid != os.getpid() and self._path is not None:
             self._store, self._pid = open_tokens(self._path), os.getpid()
+            self._maps = _memory_maps(self._store, self.layers)
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:
         # a spawned worker reopens the store from its path rather than unpickling a file handle
         state = dict(self.__dict__, _spare=None)
         if self._path is not None:
-            state["_store"], state["_pid"] = None, -1
+            state["_store"], state["_pid"], state["_maps"] = None, -1, {}
         return state
 
     def _segment(self) -> tuple[int, int]:
@@ -218,7 +222,7 @@ class TokenLoader(IterableDataset):
         buffer = {
             layer: np.empty((rows, *shape), dtype=_numpy(torch.empty(0, dtype=dtype)).dtype)
             for layer, (shape, dtype) in self._rows.items()
-            if layer not in self._mapped
+            if layer not in self._maps
         }
         buffer["index"] = np.empty(rows, dtype=np.int64)
         for key in COLUMNS:
@@ -230,10 +234,13 @@ class TokenLoader(IterableDataset):
         at = 0
         for a, b in pieces:
             for layer in self.layers:
-                if layer in self._mapped:
-                    _touch(store[layer][a:b])
-                elif hasattr(store[layer], "read_direct"):  # HDF5 reads straight into the buffer: one copy fewer
-                    store[layer].read_direct(buffer[layer], np.s_[a:b], np.s_[at : at + b - a])
+                array = store[layer]
+                if layer in self._maps:
+                    _touch(self._maps[layer][a:b])
+                elif hasattr(array, "read_direct"):  # HDF5 reads straight into the buffer: one copy fewer
+                    array.read_direct(buffer[layer], np.s_[a:b], np.s_[at : at + b - a])
+                elif hasattr(array, "get_basic_selection"):  # Zarr decompresses straight into it
+                    array.get_basic_selection(slice(a, b), out=_zarr_buffer(buffer[layer][at : at + b - a]))
                 else:
                     np.copyto(buffer[layer][at : at + b - a], _numpy(store.read(layer, a, b)))
             for key in COLUMNS:
@@ -241,17 +248,58 @@ class TokenLoader(IterableDataset):
             buffer["index"][at : at + b - a] = np.arange(a, b)
             at += b - a
 
-
     def _batch(self, store: Any, buffer: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
         """The buffer's ``rows`` as a batch (a memory-mapped layer's straight from the map)."""
         index = np.take(buffer["index"], rows)
         batch = {}
         for layer, (_, dtype) in self._rows.items():
-            values = np.take(np.asarray(store[layer]), index, axis=0) if layer in self._mapped else np.take(buffer[layer], rows, axis=0)
+            values = np.take(self._maps[layer], index, axis=0) if layer in self._maps else np.take(buffer[layer], rows, axis=0)
             batch[layer] = torch.from_numpy(values).view(dtype)  # bfloat16 is held as its int16 bits
         batch["index"] = torch.from_numpy(index)
         batch.update({key: torch.from_numpy(np.take(buffer[key], rows)) for key in COLUMNS})
         return batch
+
+
+def _memory_maps(store: Any, layers: list[str]) -> dict[str, np.ndarray]:
+    """The layers whose rows lie in one file as they are, each as a read-only memory map of it."""
+    maps = {}
+    for layer in layers:
+        array = store[layer]
+        mapped = array if isinstance(array, np.ndarray) else _hdf5_map(array)
+        if mapped is not None:
+            maps[layer] = np.asarray(mapped)  # a plain array over the map: batches taken from it are too
+    return maps
+
+
+def _hdf5_map(dataset: Any) -> np.ndarray | None:
+    """An HDF5 dataset's rows as a memory map of its file, where they are stored uncompressed in
+    row order, chunk after chunk (as layertap's HDF5 stores allocate them); otherwise None."""
+    space: Any = getattr(dataset, "id", None)  # h5py's low-level DatasetID
+    if not hasattr(space, "get_chunk_info") or dataset.file.driver != "sec2" or dataset.dtype.hasobject or len(dataset) == 0:
+        return None
+    if space.get_create_plist().get_nfilters():  # compressed (or otherwise filtered)
+        return None
+    rows, row_bytes = len(dataset), math.prod(dataset.shape[1:]) * dataset.dtype.itemsize
+    if dataset.chunks is None:
+        start = space.get_offset()  # None: never written
+    else:
+        step = dataset.chunks[0]
+        pieces = sorted((i.chunk_offset[0], i.byte_offset, i.size) for i in map(space.get_chunk_info, range(space.get_num_chunks())))
+        start = pieces[0][1] if pieces else None
+        in_order = all(p == (k * step, start + k * step * row_bytes, step * row_bytes) for k, p in enumerate(pieces))
+        if not in_order or len(pieces) != -(-rows // step):
+            return None
+    path = dataset.file.filename
+    if start is None or os.path.getsize(path) < start + rows * row_bytes:
+        return None
+    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=start, shape=dataset.shape)
+
+
+def _zarr_buffer(rows: np.ndarray) -> Any:
+    """Rows of the buffer as the output a Zarr read fills."""
+    from zarr.core.buffer.cpu import NDBuffer
+
+    return NDBuffer.from_numpy_array(rows)
 
 
 def _touch(mapped: np.ndarray) -> None:
