@@ -162,6 +162,26 @@ def test_a_zarr_store_in_an_object_store_through_an_fsspec_url(tmp_path):
     assert not fs.exists(f"/layertap-test-{os.getpid()}/feats.zarr")
 
 
+@pytest.mark.parametrize("fmt, leftover", [("npy", ".layertap.json.4242.tmp"), ("zarr", f"zarr.{'ab12' * 8}.partial")])
+def test_a_store_killed_in_its_first_metadata_write_is_made_anew(tmp_path, fmt, leftover):
+    """What a kill inside the first write of a store's metadata leaves, before the rename that
+    makes it the store's (layertap's temporary file for NumPy, Zarr's partial file): its folder
+    holding only that file. The next run makes the store there (it used to refuse the folder as
+    not a store, for good); the same file beside anything else is still a folder that is not one."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    data = torch.randn(10, 4)
+    whole = layertap.extract_dataset(model, data, "0", tmp_path / f"whole.{fmt}", format=fmt, batch_size=4, progress=False).to_numpy("0")
+    out, other = tmp_path / f"f.{fmt}", tmp_path / f"g.{fmt}"
+    for folder in (out, other):
+        folder.mkdir()
+        (folder / leftover).write_text('{"layertap_store": 2, "for')
+    (other / "notes.txt").write_text("mine")
+    again = layertap.extract_dataset(model, data, "0", out, format=fmt, batch_size=4, progress=False)
+    assert again.complete and np.array_equal(again.to_numpy("0"), whole)
+    with pytest.raises(layertap.StoreError, match="is not a layertap feature store"):
+        layertap.extract_dataset(model, data, "0", other, format=fmt, batch_size=4, progress=False)
+
+
 @pytest.mark.parametrize("fmt", ["npy", "zarr"])
 def test_a_store_killed_while_being_made_is_made_anew_and_never_read(tmp_path, fmt):
     import json

@@ -24,10 +24,10 @@ import numpy as np
 
 from ..atomic import sync_path
 from ..errors import StoreError, require
-from .format import _LOCK, _MARKER_BYTES_PER_SAMPLE, _Codec, _fit
+from .format import _LOCK, _MARKER_BYTES_PER_SAMPLE, _NPY_HALF_META, _NPY_META, _ZARR_HALF_META, _Codec, _fit
 from .paths import Location, _bad, _check_inside, _check_no_links_out, _foreign_entries, _names, _one_line, is_url, url_failed, url_fs
 
-_ZARR_META = re.compile(r"zarr(\.json|\.[0-9a-f]{32}\.partial)")  # a partial file: one Zarr was writing
+_ZARR_META = re.compile(rf"zarr\.json|{_ZARR_HALF_META.pattern}")  # a partial file: one Zarr was writing
 _ZARR_PARTIAL = re.compile(r"[0-9]+\.[0-9a-f]{32}\.partial")
 _ZARR_CODECS = {"bytes", "blosc", "vlen-utf8", "zstd", "gzip", "crc32c", "transpose"}  # plain data: no pickle
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -443,7 +443,7 @@ class _NpyBackend(_Backend):
     GROWS = False
     MARKER_SLOTS = False  # a file per marker
     path: Path
-    META = "layertap.json"
+    META = _NPY_META
 
     def __init__(self, path: Path, mode: str) -> None:
         super().__init__(path, mode)
@@ -471,7 +471,7 @@ class _NpyBackend(_Backend):
             return rel.removesuffix(".npy") in arrays
         if parent == self.MARKERS:  # a marker, or one a killed run was writing (see _replace)
             return re.fullmatch(r"\.?[0-9]+\.json(\.[0-9]+\.tmp)?", name) is not None
-        return rel in (_LOCK, self.META) or re.fullmatch(rf"\.{re.escape(self.META)}\.[0-9]+\.tmp", rel) is not None
+        return rel in (_LOCK, self.META) or _NPY_HALF_META.fullmatch(rel) is not None
 
     def _file(self, name: str) -> Path:
         return _check_inside(self.path, self.path / f"{name}.npy", name)

@@ -32,6 +32,12 @@ from ..records import SkippedSample
 
 _STORE_VERSION = 2  # 2: chunk markers hold input digests; arrays of known length allocated up front
 _LOCK = ".layertap.lock"
+_NPY_META = "layertap.json"
+# metadata being written (to a temporary file, synced, then renamed): a writer killed before its
+# first rename leaves one of these beside the lock, and nothing else. NumPy's is layertap's own
+# temporary file, Zarr's the partial file Zarr writes first.
+_NPY_HALF_META = re.compile(rf"\.{re.escape(_NPY_META)}\.[0-9]+\.tmp")
+_ZARR_HALF_META = re.compile(r"zarr\.[0-9a-f]{32}\.partial")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _ARRAY_PATH = re.compile(r"features/[A-Za-z0-9_-][A-Za-z0-9._-]*(/[0-9]+)?")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import StoreError
 from .backends import BACKENDS, detect_format, format_for
-from .format import _LOCK, _STORE_VERSION, StorePlan
+from .format import _LOCK, _NPY_HALF_META, _STORE_VERSION, _ZARR_HALF_META, StorePlan
 from .lock import StoreLock
 from .paths import Location, location, url_fs
 from .trust import _open_backend
@@ -164,9 +164,17 @@ def remove_store(path: str | Path) -> None:
 
 
 def _occupied(path: Location) -> bool:
-    """Whether something (a file, or a folder holding more than a store lock) is at ``path``."""
+    """Whether something is at ``path``: a file, or a folder holding more than a store lock and
+    the metadata a writer killed while making a store left half written."""
     if isinstance(path, str):
         fs, inner = url_fs(path)
         return fs.exists(inner) and (fs.isfile(inner) or any(not str(p).endswith(_LOCK) for p in fs.ls(inner, detail=False)))
-    return path.is_symlink() or (path.exists() and not (path.is_dir() and all(p.name == _LOCK for p in path.iterdir())))
+    if path.is_symlink():
+        return True
+    if not path.exists():
+        return False
+    return not path.is_dir() or any(not _left_by_a_writer(p.name) for p in path.iterdir())
 
+
+def _left_by_a_writer(name: str) -> bool:
+    return name == _LOCK or _NPY_HALF_META.fullmatch(name) is not None or _ZARR_HALF_META.fullmatch(name) is not None
