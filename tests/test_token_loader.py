@@ -219,13 +219,13 @@ def test_an_hdf5_store_is_gathered_from_a_memory_map_of_its_file(stores):
         assert np.array_equal(mapped, store[layer][:])  # h5py's own read
 
 
-@pytest.mark.parametrize("layout", ["chunks in order", "contiguous", "big-endian", "gzip", "chunks out of order", "never written"])
+@pytest.mark.parametrize("layout", ["chunks in order", "contiguous", "big-endian", "user block", "gzip", "chunks out of order", "never written"])
 def test_an_hdf5_array_is_mapped_only_where_its_rows_lie_in_the_file_as_they_are(tmp_path, layout):
     import h5py
 
     values = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
-    with h5py.File(tmp_path / "f.h5", "w") as f:
-        if layout == "chunks in order":
+    with h5py.File(tmp_path / "f.h5", "w", userblock_size=512 if layout == "user block" else 0) as f:
+        if layout in ("chunks in order", "user block"):  # a user block: the file's own bytes start later
             f.create_dataset("x", data=values, chunks=(8, 6))
         elif layout == "contiguous":
             f.create_dataset("x", data=values)
