@@ -1,10 +1,12 @@
 """The cost of attention maps on pretrained MiniLM (all-MiniLM-L6-v2), CPU: layertap beside the eager route.
 
-Two ways to the attention probabilities of all 6 layers of a padded batch of sentences:
+Three ways to the attention probabilities of all 6 layers of a padded batch of sentences:
 
 - layertap: the model as it loads (fused ``"sdpa"`` attention), run inside
   ``layertap.attention.attention(model, heads=...)``, which recomputes each layer's probabilities
-  beside the fused kernel;
+  beside the fused kernel (the model's outputs bit for bit its own);
+- layertap, ``kernel="eager"``: the same model, each attention call computed by the collector
+  from the probabilities it keeps, in the fused kernel's place (outputs as eager's);
 - eager: the model reloaded with ``attn_implementation="eager"`` and called with
   ``output_attentions=True``, which returns the probabilities its softmax made.
 
@@ -36,6 +38,7 @@ import layertap.attention
 
 PLAIN = "plain forward, fused sdpa (limit)"
 LAYERTAP = "layertap.attention, fused model"
+LAYERTAP_EAGER = "layertap.attention, kernel='eager'"
 EAGER_ATT = "eager reload, output_attentions=True"
 EAGER = "eager reload, no attentions"
 
@@ -76,14 +79,20 @@ def timed(methods: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[s
 def run(tokenizer, fused, eager, batch: int, tokens: int, heads: str, rounds: int) -> None:
     inputs = dict(tokenizer(sentences(batch, tokens), padding=True, truncation=True, max_length=512, return_tensors="pt"))
     collector = layertap.attention.attention(fused, heads=heads)  # type: ignore[arg-type]
+    in_place = layertap.attention.attention(fused, heads=heads, kernel="eager")  # type: ignore[arg-type]
 
     def with_layertap() -> None:
         with collector:
             fused(**inputs)
 
+    def with_layertap_eager() -> None:
+        with in_place:
+            fused(**inputs)
+
     methods = {
         PLAIN: lambda: fused(**inputs),
         LAYERTAP: with_layertap,
+        LAYERTAP_EAGER: with_layertap_eager,
         EAGER_ATT: lambda: eager(**inputs, output_attentions=True),
         EAGER: lambda: eager(**inputs),
     }
@@ -91,20 +100,25 @@ def run(tokenizer, fused, eager, batch: int, tokens: int, heads: str, rounds: in
         times, rounds_cpu = timed(methods, rounds)
         expected = eager(**inputs, output_attentions=True).attentions
         with_layertap()
+        with_layertap_eager()
     got = [layertap.attention.reduce_weights(e, heads) for e in expected]  # type: ignore[arg-type]
     diff = max((a - b).abs().max().item() for a, b in zip(collector.values(), got))
+    diff_eager = max((a - b).abs().max().item() for a, b in zip(in_place.values(), got))
     shape = tuple(inputs["input_ids"].shape)
-    print(f"\nbatch {shape[0]} x {shape[1]} tokens (padded), heads={heads!r}, max |diff| layertap vs eager: {diff:.1e}")
+    print(f"\nbatch {shape[0]} x {shape[1]} tokens (padded), heads={heads!r}, max |diff| layertap vs eager: {diff:.1e} "
+          f"(kernel='eager': {diff_eager:.1e})")
     print(f"| {'method':40s} | ms (wall) | x plain (wall) | ms (CPU) | x plain (CPU) |")
     print(f"|{'-' * 42}|-----------|----------------|----------|---------------|")
     plain_wall, plain_cpu = times[PLAIN]
     for name, (w, c) in times.items():
         print(f"| {name:40s} | {w * 1e3:9.1f} | {w / plain_wall:14.2f} | {c * 1e3:8.1f} | {c / plain_cpu:13.2f} |")
-    lt, ea = times[LAYERTAP], times[EAGER_ATT]
-    # paired: the two methods of one round ran seconds apart, under about the same load
-    paired = sorted(a / b for a, b in zip(rounds_cpu[LAYERTAP], rounds_cpu[EAGER_ATT]))
-    print(f"layertap / eager+attentions: {lt[0] / ea[0]:.2f} (wall), {lt[1] / ea[1]:.2f} (CPU), "
-          f"{paired[len(paired) // 2]:.2f} (CPU, median of the rounds' ratios)")
+    ea = times[EAGER_ATT]
+    for name, label in ((LAYERTAP, "layertap"), (LAYERTAP_EAGER, "layertap kernel='eager'")):
+        lt = times[name]
+        # paired: the two methods of one round ran seconds apart, under about the same load
+        paired = sorted(a / b for a, b in zip(rounds_cpu[name], rounds_cpu[EAGER_ATT]))
+        print(f"{label} / eager+attentions: {lt[0] / ea[0]:.2f} (wall), {lt[1] / ea[1]:.2f} (CPU), "
+              f"{paired[len(paired) // 2]:.2f} (CPU, median of the rounds' ratios)")
 
 
 def main() -> None:

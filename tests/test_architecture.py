@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import re
 from pathlib import Path
 
@@ -20,9 +21,9 @@ ROOT = SRC.parent.parent
 
 # bottom first; a name is a module or a package (all of its files)
 LAYERS: list[set[str]] = [
-    {"printable", "units", "nested", "records", "workers", "shapes", "_copy", "_moments"},
+    {"printable", "units", "nested", "records", "workers", "hfcode", "shapes", "_copy", "_moments"},
     {"errors", "tensorstats"},
-    {"tables", "progress", "atomic", "allocator", "distributed", "select"},
+    {"tables", "progress", "atomic", "allocator", "distributed", "select", "attention_weights"},
     {"modelinfo"},
     {"images"},
     {"overlay", "data"},
@@ -141,3 +142,13 @@ def test_architecture_md_names_every_file():
     files = [p.relative_to(SRC).as_posix() for p in sorted(SRC.rglob("*")) if p.is_file() and p.suffix in (".py", ".c", ".pyi", ".h", ".html", ".pt")]
     missing = [f for f in files if not re.search(rf"(?<![\w/.]){re.escape(f)}(?![\w])", text)]
     assert missing == []
+
+
+def test_no_test_helper_hides_an_installed_package():
+    """tests/ is on sys.path: a helper module named like an installed package hides it from every
+    import (``tests/kernels.py`` hid the ``kernels`` package transformers 5.25 imports)."""
+    installed = importlib.metadata.packages_distributions()
+    helpers = [p.stem for p in Path(__file__).parent.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest"]
+    assert helpers, "no helper modules found: the test looks in the wrong folder"
+    shadowing = {name: installed[name] for name in helpers if name in installed}
+    assert not shadowing, f"test helpers named like installed packages: {shadowing}"

@@ -194,7 +194,8 @@ def test_reduce_weights():
 
 
 def test_rows_cost_one_query_and_agree_with_all_rows():
-    from layertap.attention import _mha, _sdpa
+    from layertap.attention_weights import mha_rows as _mha
+    from layertap.attention_weights import sdpa_rows as _sdpa
 
     q, k = torch.randn(2, 3, 6, 8), torch.randn(2, 3, 9, 8)
     mask = torch.randn(2, 1, 6, 9)
@@ -454,7 +455,7 @@ def test_a_failed_recomputation_names_the_module(monkeypatch, timm_vit):
     def broken(*args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(LA, "_sdpa", broken)
+    monkeypatch.setattr(LA, "sdpa_rows", broken)
     with pytest.raises(layertap.TapError, match="'blocks.0.attn' \\(Attention\\) from its scaled_dot_product_attention input: RuntimeError: boom"):
         with torch.no_grad(), attention(timm_vit):
             timm_vit(torch.randn(1, 3, 64, 64))
@@ -598,3 +599,101 @@ def test_softmax_with_dim_by_keyword_is_attention_over_the_last_dim_only(spellin
                 att[""]
         else:
             close(att[""], torch.softmax(q @ k.transpose(-2, -1), -1))
+
+
+# ---------------------------------------------------------------------------------- kernel="eager"
+def _parameter_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("make", [gpt2, llama, "minilm"])
+def test_kernel_eager_computes_what_an_eager_reload_computes(make, minilm):
+    """kernel="eager" computes each SDPA call from the probabilities it keeps, in the fused kernel's
+    place: maps, outputs and gradients are those of the same model reloaded with eager attention,
+    and the model itself is untouched afterwards. Float64, so the routes differ only where they
+    round: Llama's eager softmax runs in float32 whatever the model's dtype (~5e-8 measured), the
+    others' agree to ~1e-16."""
+    model, eager = hf_pair(copy.deepcopy(minilm) if make == "minilm" else make())
+    inputs = tokens(30522 if make == "minilm" else 128, pad=True)
+    fused_out = model(**inputs)[0]
+    fused_out.sum().backward()
+    fused_grads = _parameter_grads(model)
+    model.zero_grad()
+    reference = eager(**inputs, output_attentions=True)
+    with attention(model, heads="all", kernel="eager") as att:
+        out = model(**inputs)[0]
+        out.sum().backward()
+    assert len(att) == len(reference.attentions) > 0
+    for got, want in zip(att.values(), reference.attentions):
+        assert got.shape == want.shape and not got.requires_grad
+        close(got, want, 1e-6 if make is llama else 1e-12)
+    tol = 1e-6 if make is llama else 1e-10
+    torch.testing.assert_close(out, reference[0], atol=tol, rtol=0)
+    torch.testing.assert_close(out, fused_out, atol=1e-10, rtol=0)  # float64: the fused kernel agrees too
+    got_grads = _parameter_grads(model)  # the model's own gradients, as its fused kernel gives them
+    assert got_grads.keys() == fused_grads.keys() and got_grads
+    for name in fused_grads:
+        torch.testing.assert_close(got_grads[name], fused_grads[name], atol=1e-10, rtol=1e-9, msg=name)
+    with torch.no_grad():  # the kernel is the model's own again
+        assert torch.equal(model(**inputs)[0], fused_out.detach())
+
+
+def test_kernel_eager_float32_minilm_equals_the_eager_reload(minilm):
+    """The benchmark's case (pretrained MiniLM, float32, padded): the maps and outputs of the
+    fused model under kernel="eager" agree with the eager reload's to float32 rounding."""
+    eager = copy.deepcopy(minilm)
+    eager.set_attn_implementation("eager")
+    inputs = tokens(30522, pad=True)
+    with torch.no_grad():
+        reference = eager(**inputs, output_attentions=True)
+        with attention(minilm, heads="all", rows="last", kernel="eager") as att:
+            out = minilm(**inputs).last_hidden_state
+    torch.testing.assert_close(out, reference.last_hidden_state, atol=1e-5, rtol=0)
+    last = torch.tensor([7, 4])  # the right-padded second sequence's last real token
+    for got, want in zip(att.values(), reference.attentions):
+        close(got, want[torch.arange(2), :, last][:, :, None], 1e-6)
+
+
+def test_kernel_eager_with_dropout_keeps_the_kernel():
+    """A call with dropout (training) runs its kernel: the same random mask as without the collector."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=128, attention_probs_dropout_prob=0.5, attn_implementation="sdpa")).train()
+    inputs = tokens(128, pad=True)
+    torch.manual_seed(0)
+    expected = model(**inputs).last_hidden_state
+    torch.manual_seed(0)
+    with attention(model, kernel="eager") as att:
+        got = model(**inputs).last_hidden_state
+    assert torch.equal(got, expected) and len(att) == 2
+
+
+def test_kernel_is_checked():
+    with pytest.raises(ArgumentError, match="kernel='flash' is not one of"):
+        attention(nn.MultiheadAttention(8, 2), kernel="flash")  # type: ignore[arg-type]
+
+
+def test_masked_attention_under_inference_mode(minilm):
+    """A mask made inside inference_mode has no version counter; the maps are those of no_grad."""
+    inputs = tokens(30522, pad=True)
+    with torch.no_grad(), attention(minilm, heads="all") as expected:
+        minilm(**inputs)
+    for kernel in ("fused", "eager"):
+        with torch.inference_mode(), attention(minilm, heads="all", kernel=kernel) as att:  # type: ignore[arg-type]
+            minilm(**inputs)
+        for got, want in zip(att.values(), expected.values()):  # deeper layers: eager rounds unlike fused
+            close(got, want, 1e-6 if kernel == "fused" else 1e-5)
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_mha_attn_mask_equals_need_weights(mask):
+    module = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    attn_mask = torch.rand(5, 5) > 0.6 if mask == "bool" else torch.randn(5, 5)
+    if mask == "bool":
+        attn_mask[:, 0] = False  # no row fully masked
+    expected = module(x, x, x, attn_mask=attn_mask, average_attn_weights=False)[1]
+    with torch.no_grad(), attention(module, "", heads="all") as att:
+        module(x, x, x, attn_mask=attn_mask)
+    close(att[""], expected)

@@ -9,7 +9,7 @@ failed there is an error, not a skip.
 
 import pytest
 import torch
-from kernels import optional_kernel
+from c_extensions import optional_kernel
 
 _copy = optional_kernel("_copy")
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from kernels import optional_kernel
+from c_extensions import optional_kernel
 from torch.utils import dlpack
 
 from layertap.errors import ArgumentError

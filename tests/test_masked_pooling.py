@@ -271,3 +271,18 @@ def test_gpt2_last_is_the_last_real_token(gpt2, side):
     if side == "right":  # the last position is a pad of the shorter documents: not what "last" gives
         with torch.no_grad():
             assert (gpt2(**batch).last_hidden_state[0, -1] - t["ln_f"][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_mask_given_positionally_counts(minilm, alone, side):
+    """model(ids, mask): the forward's attention_mask parameter, by position (BertModel's second)."""
+    tokenizer, model = minilm
+    batch = padded(tokenizer, TEXTS, side)
+    for reduce in REDUCES:
+        with torch.no_grad(), layertap.tap(model, list(MINILM_LAYERS), reduce=reduce) as t:
+            model(batch["input_ids"], batch["attention_mask"], None, batch["position_ids"])
+        for name, want in minilm_reference(alone, [0, 1, 2], reduce).items():
+            close(t[name], want)
+        feats = layertap.extract(model, (batch["input_ids"], batch["attention_mask"], None, batch["position_ids"]), list(MINILM_LAYERS), reduce=reduce)
+        for name, want in minilm_reference(alone, [0, 1, 2], reduce).items():
+            close(feats[name], want)

@@ -11,7 +11,7 @@ The kernel is optional (the package installs without it where nothing can compil
 import numpy as np
 import pytest
 import torch
-from kernels import optional_kernel
+from c_extensions import optional_kernel
 
 _moments = optional_kernel("_moments")
 

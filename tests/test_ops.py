@@ -350,3 +350,52 @@ def test_ops_work_in_extract_dataset_and_the_cli(tmp_path):
             "--out", str(tmp_path / "c"), "--reduce", "mean"]  # fmt: skip
     assert run(argv) == 0
     assert layertap.open_features(tmp_path / "c")["layer4.1:add_"].shape == (4, 512)
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(torch.sigmoid(x) * x)
+
+
+def test_replace_runs_in_place_of_the_op_and_is_captured():
+    """replace= stands in for the op: the op itself never runs, what the function returns flows on
+    (the model's output is what a forward with that op swapped by hand gives) and is what is captured."""
+    torch.manual_seed(0)
+    model, x = Gated().eval(), torch.randn(3, 6)
+    calls = []
+
+    def hard(name, func, args, kwargs):
+        calls.append((name, func))
+        return (args[0] > 0).to(args[0].dtype)  # a hard gate in place of the sigmoid
+
+    with torch.no_grad(), layertap.tap(model, ["", ":sigmoid"], replace={":sigmoid": hard}) as t:
+        out = model(x)
+    assert calls == [(":sigmoid", torch.sigmoid)]
+    expected = model.lin((x > 0).float() * x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert torch.equal(t[":sigmoid"], (x > 0).float()) and torch.equal(t[""], out)
+    assert torch.equal(model(x), model.lin(torch.sigmoid(x) * x))  # the op is the model's own again
+
+
+def test_replace_of_an_op_not_tapped_and_by_a_module_op_tuple():
+    """A (module, op) tuple is one spec, as key of replace= and of edit=; the replaced op need not be tapped."""
+    model, x = Gated().eval(), torch.randn(3, 6)
+    ran = []
+    with torch.no_grad(), layertap.tap(model, "lin", replace={("", "sigmoid"): lambda n, f, a, k: ran.append(n) or f(*a, **k) * 0}) as t:
+        model(x)
+    assert ran == [":sigmoid"] and torch.equal(t["lin"], model.lin(torch.zeros(3, 6)))
+    with torch.no_grad(), layertap.tap(model, "lin", edit={("", "sigmoid"): lambda name, out: out * 0}) as t:
+        model(x)
+    assert torch.equal(t["lin"], model.lin(torch.zeros(3, 6)))
+
+
+def test_replace_takes_ops_only():
+    model = Gated()
+    with pytest.raises(layertap.TapError, match="replace= stands in for ops inside a module's forward .* 'lin' is a module"):
+        layertap.tap(model, "lin", replace=lambda name, func, args, kwargs: func(*args, **kwargs))
+    with pytest.raises(layertap.TapError, match="replace= needs named ops, not 'module:\\*'"):
+        layertap.tap(model, ":*", replace=lambda name, func, args, kwargs: func(*args, **kwargs))

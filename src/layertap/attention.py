@@ -31,6 +31,11 @@ The problem, the rule and the cost:
   each new one of a few MB costs page faults besides its pass (benchmarks/bench_attention.py
   compares the eager route). ``rows="cls"`` or ``"last"`` computes one query row (``Q = 1``) and
   ``heads="mean"``/``"max"`` keeps one head, so what is kept stays small.
+- ``kernel="eager"`` trades that promise for speed where the fused kernel costs as much as the
+  eager formula (short sequences on a CPU): each ``scaled_dot_product_attention`` call is then
+  computed by the collector, in the kernel's place (the tap's ``replace=``), from the
+  probabilities it keeps, so that they are made once: outputs equal the fused kernel's to float
+  rounding, as after a reload with ``attn_implementation="eager"``, without the reload.
 - Rows a mask hides completely (every key masked) are all zero, as PyTorch's kernels return them
   (its reference formula would give NaN).
 - Padding: when the model is called with a ``[B, T]`` ``attention_mask`` (Hugging Face models),
@@ -41,65 +46,40 @@ The problem, the rule and the cost:
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention_weights import (
+    HEADS,
+    ROW_SLICES,
+    ROWS,
+    At,
+    Heads,
+    MaskTerms,
+    Rows,
+    check_options,
+    compute_dtype,
+    fuse_heads,
+    mask_terms_key,
+    materialize,
+    mha_rows,
+    mha_weights,
+    reduce_weights,
+    sdpa_rows,
+    sdpa_weights,
+    take_rows,
+)
 from .errors import ArgumentError, LayerNotFoundError, LayerNotRunError, TapError
 from .select import Layers, OpName, Spec, selection
 from .tap import Inputs, Tap, masks, tap
 from .tap.controls import shares_memory
 from .tap.ops import running_call
 
-Heads = Literal["all", "mean", "max"]
-Rows = Literal["all", "cls", "last"]
-HEADS: tuple[str, ...] = ("all", "mean", "max")
-ROWS: tuple[str, ...] = ("all", "cls", "last")
-_ROWS = {"all": slice(None), "cls": slice(0, 1), "last": slice(-1, None)}
-At = slice | torch.Tensor  # the query rows kept: a slice, or one position per batch entry ([B] integers)
-
-
-# ---------------------------------------------------------------------------------- arguments
-def _check(heads: str, rows: str) -> None:
-    if heads not in HEADS:
-        raise ArgumentError(f"heads={heads!r} is not one of {HEADS}: 'all' keeps every head, 'mean'/'max' fuse them")
-    if rows not in ROWS:
-        raise ArgumentError(
-            f"rows={rows!r} is not one of {ROWS}: 'all' keeps every query, 'cls' query 0, 'last' the last query"
-        )
-
-
-def _dtype(t: torch.Tensor) -> torch.dtype:
-    """float32 at least: half and bfloat16 probabilities would round visibly."""
-    return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
-
-
-def _softmax(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over keys; the rows ``hidden`` marks (every key masked: only a mask hides a whole row,
-    a causal row always sees key 0) are zero, as PyTorch's kernels give."""
-    weights = torch.softmax(scores, -1)
-    # asking whether any row is hidden costs nothing on a CPU and spares a pass; elsewhere it would wait for the device
-    if hidden is not None and (hidden.device.type != "cpu" or bool(hidden.any())):
-        weights.masked_fill_(hidden, 0.0)
-    return weights
-
-
-def _take_rows(t: torch.Tensor, rows: At, dims: int) -> torch.Tensor:
-    """The query rows of ``t`` ``[..., Q, X]``: a slice, or one row per batch entry (``t`` then
-    broadcast to ``dims`` dims, its first the batch)."""
-    if isinstance(rows, slice):
-        return t[..., rows, :]
-    t = t.reshape((1,) * (dims - t.dim()) + tuple(t.shape))
-    return torch.take_along_dim(t, rows.view(-1, *(1,) * (dims - 1)), dim=-2)
-
-
-def _mask_rows(mask: torch.Tensor, rows: At, dims: int) -> torch.Tensor:
-    """A mask's query rows (a mask broadcast over queries stays as it is)."""
-    return _take_rows(mask, rows, dims) if mask.dim() >= 2 and mask.size(-2) != 1 else mask
+Kernel = Literal["fused", "eager"]
+KERNELS: tuple[str, ...] = ("fused", "eager")
 
 
 def _rows_at(rows: str, batch: int, length: int, device: torch.device) -> At:
@@ -107,248 +87,8 @@ def _rows_at(rows: str, batch: int, length: int, device: torch.device) -> At:
     ``[batch, length]`` attention_mask, each sequence's first ("cls") or last real token."""
     real = masks.real_tokens(batch, length) if rows != "all" else None
     if real is None:
-        return _ROWS[rows]
+        return ROW_SLICES[rows]
     return (masks.first_real(real) if rows == "cls" else masks.last_real(real)).to(device)
-
-
-def _heads(weights: torch.Tensor, heads: str) -> torch.Tensor:
-    if heads == "mean":
-        return weights.mean(1, keepdim=True)
-    if heads == "max":
-        return weights.amax(1, keepdim=True)
-    return weights
-
-
-def reduce_weights(weights: torch.Tensor, heads: Heads = "all", rows: Rows = "all") -> torch.Tensor:
-    """Keep ``rows`` (query 0, the last query, or all) and fuse ``heads`` of ``[B, H, Q, K]`` weights.
-
-    The result stays 4-D: ``[B, 1 or H, 1 or Q, K]``.
-
-    >>> w = torch.softmax(torch.randn(2, 4, 5, 5), -1)
-    >>> reduce_weights(w, heads="mean", rows="cls").shape
-    torch.Size([2, 1, 1, 5])
-    """
-    _check(heads, rows)
-    return _heads(weights if rows == "all" else weights[..., _ROWS[rows], :], heads)
-
-
-# ---------------------------------------------------------------------------------- the formulas
-class _Terms:
-    """What a mask adds to the scores: ``bias`` (0 or -inf for a boolean mask, the float mask
-    itself otherwise) and ``hidden``, the rows it hides completely (None: none, as known on a CPU).
-
-    Made once per mask: a model hands the same mask to every layer, and an additive float bias
-    costs one pass over the scores where a boolean mask costs a slower masked fill."""
-
-    __slots__ = ("bias", "hidden", "key", "mask")
-
-    def __init__(self, mask: torch.Tensor, rows: At, dims: int, dtype: torch.dtype) -> None:
-        kept = _mask_rows(mask, rows, dims)
-        if kept.dtype == torch.bool:
-            bias = torch.zeros(kept.shape, dtype=dtype, device=kept.device).masked_fill_(~kept, -math.inf)
-            hidden = ~kept.any(-1, keepdim=True)
-        else:
-            bias = kept.to(dtype)
-            hidden = (bias == -math.inf).all(-1, keepdim=True)
-        # asking whether any row is hidden costs nothing on a CPU and spares a pass; elsewhere it would wait for the device
-        self.bias = bias
-        self.hidden = hidden if hidden.device.type != "cpu" or bool(hidden.any()) else None
-        self.key = _terms_key(mask, rows, dtype)
-        self.mask = mask
-
-
-def _terms_key(mask: torch.Tensor, rows: At, dtype: torch.dtype) -> tuple | None:
-    """Which mask ``_Terms`` were made from (None: rows per batch entry, made anew each call); the
-    ``_Terms`` hold the mask alive, so its memory is not another mask's while they are kept."""
-    if not isinstance(rows, slice):
-        return None
-    return (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask.device, mask._version, rows.indices(1 << 62), dtype)
-
-
-def _sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    rows: At,
-    terms: _Terms | None = None,
-) -> torch.Tensor:
-    """The probabilities (`sdpa_weights`); ``terms``: those of ``attn_mask``, made before."""
-    dtype = _dtype(query)
-    length, keys = query.size(-2), key.size(-2)
-    if is_causal and attn_mask is not None:
-        raise ArgumentError("is_causal=True and an attn_mask cannot both be given (as in F.scaled_dot_product_attention)")
-    dims = query.dim()
-    q = _take_rows(query, rows, dims).to(dtype)
-    k = key.to(dtype)
-    if enable_gqa:
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
-    factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
-    # scaled and masked in place: each new [B, H, Q, K] tensor costs its memory and, on a CPU, its page faults
-    scores = q @ k.transpose(-2, -1)
-    hidden = None
-    if attn_mask is not None:
-        if terms is None:
-            terms = _Terms(_materialize(attn_mask, query.device), rows, dims, dtype)
-        # bias + factor * scores in one pass; a mask broadcasts to the weights' shape (SDPA's own rule)
-        torch.add(terms.bias, scores, alpha=factor, out=scores)
-        hidden = terms.hidden
-    else:
-        scores.mul_(factor)
-    if is_causal:  # top-left aligned, as PyTorch's is_causal
-        at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
-        scores.masked_fill_(at[..., None] < torch.arange(keys, device=q.device), -math.inf)
-    weights = torch.softmax(scores, -1)
-    if hidden is not None:  # rows every key of which is masked are zero, as PyTorch's kernels give
-        weights.masked_fill_(hidden, 0.0)
-    return weights
-
-
-def _materialize(mask: Any, device: torch.device) -> torch.Tensor:
-    """A mask as a tensor (``torch.nn.attention.bias.CausalBias`` makes its own)."""
-    return mask._materialize(device) if hasattr(mask, "_materialize") else mask
-
-
-def sdpa_weights(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """The probabilities ``F.scaled_dot_product_attention`` uses with these arguments (no dropout).
-
-    ``softmax(query @ key.T * scale + bias)`` as PyTorch documents it: a boolean ``attn_mask`` is
-    True where a key may be attended to, a float one is added; ``is_causal`` hides the keys after
-    each query (top-left aligned when queries and keys differ in length); ``scale`` defaults to
-    ``1 / sqrt(E)``; ``enable_gqa`` repeats each key head for its group of query heads. Returns
-    ``[..., L, S]`` in float32 (float64 for float64 inputs); a row with every key masked is zero.
-
-    >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
-    >>> p = sdpa_weights(q, k, is_causal=True)
-    >>> p.shape, bool(torch.allclose(p.sum(-1), torch.ones(2, 4, 6))), p[0, 0, 0, 1].item()
-    (torch.Size([2, 4, 6, 6]), True, 0.0)
-    """
-    with torch.no_grad():
-        return _sdpa(query, key, attn_mask, is_causal, scale, enable_gqa, slice(None))
-
-
-def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """nn.MultiheadAttention's convention: a boolean mask is True where *masked* (-inf), a float one added."""
-    if mask is None:
-        return None
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
-    if not mask.is_floating_point():
-        raise ArgumentError(f"masks of nn.MultiheadAttention must be bool or float, got {mask.dtype}")
-    return mask.to(dtype)
-
-
-def _project(
-    module: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, same: bool, rows: At, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query rows and keys through the module's query and key projections, ``[L, B, E]``, in ``dtype``."""
-    embed = query.shape[-1]
-    if module._qkv_same_embed_dim:
-        w_q, w_k = module.in_proj_weight[:embed], module.in_proj_weight[embed : 2 * embed]
-    else:
-        w_q, w_k = module.q_proj_weight, module.k_proj_weight
-    bias = module.in_proj_bias
-    b_q, b_k = (None, None) if bias is None else (bias[:embed].to(dtype), bias[embed : 2 * embed].to(dtype))
-    if same and isinstance(rows, slice) and rows == slice(None) and module._qkv_same_embed_dim:
-        # self-attention: one matrix product makes both projections
-        b_qk = None if bias is None else bias[: 2 * embed].to(dtype)
-        both = F.linear(query.to(dtype), module.in_proj_weight[: 2 * embed].to(dtype), b_qk)
-        return both[..., :embed], both[..., embed:]
-    # [L, B, E]: one query row per batch entry is taken along dim 0
-    kept = query[rows] if isinstance(rows, slice) else torch.take_along_dim(query, rows.view(1, -1, 1), dim=0)
-    return F.linear(kept.to(dtype), w_q.to(dtype), b_q), F.linear(key.to(dtype), w_k.to(dtype), b_k)
-
-
-def _mha(
-    module: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    rows: At,
-) -> torch.Tensor:
-    # follows F.multi_head_attention_forward with need_weights=True, without value and out projections
-    if is_causal and attn_mask is None:
-        raise ArgumentError(
-            "is_causal=True is only a hint in nn.MultiheadAttention: it needs the causal attn_mask too "
-            "(nn.Transformer.generate_square_subsequent_mask makes one)"
-        )
-    # self-attention (the tap hands over detached aliases, so compare memory, not identity)
-    same = query.data_ptr() == key.data_ptr() and query.shape == key.shape and query.stride() == key.stride()
-    batched = query.dim() == 3
-    if not batched:
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
-    elif module.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
-    dtype = _dtype(query)
-    _, batch, embed = query.shape
-    heads = module.num_heads
-    head_dim = embed // heads
-    q, k = _project(module, query, key, same, rows, dtype)
-    mask = _float_mask(attn_mask, dtype)
-    padding = _float_mask(key_padding_mask, dtype)
-    if mask is not None:  # [B * heads, L, S], batch-major: a batch entry's row for each of its heads
-        mask_rows = rows if isinstance(rows, slice) else rows.repeat_interleave(heads)
-        mask = _mask_rows(mask.unsqueeze(0) if mask.dim() == 2 else mask, mask_rows, 3)
-    if module.bias_k is not None:
-        k = torch.cat([k, module.bias_k.to(dtype).repeat(1, batch, 1)])
-        mask = None if mask is None else F.pad(mask, (0, 1))
-        padding = None if padding is None else F.pad(padding, (0, 1))
-    q = q.reshape(q.shape[0], batch * heads, head_dim).transpose(0, 1)
-    k = k.reshape(k.shape[0], batch * heads, head_dim).transpose(0, 1)
-    if module.add_zero_attn:
-        k = torch.cat([k, k.new_zeros(batch * heads, 1, head_dim)], 1)
-        mask = None if mask is None else F.pad(mask, (0, 1))
-        padding = None if padding is None else F.pad(padding, (0, 1))
-    keys = k.size(1)
-    if padding is not None:
-        padding = padding.view(batch, 1, 1, keys).expand(-1, heads, -1, -1).reshape(batch * heads, 1, keys)
-        mask = padding if mask is None else mask + padding
-    q = q * math.sqrt(1.0 / head_dim)
-    scores = torch.bmm(q, k.transpose(-2, -1)) if mask is None else torch.baddbmm(mask, q, k.transpose(-2, -1))
-    hidden = None if mask is None else (mask == -math.inf).all(-1, keepdim=True)
-    weights = _softmax(scores, hidden).view(batch, heads, q.size(1), keys)
-    return weights if batched else weights[0]
-
-
-def mha_weights(
-    module: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """The per-head weights of ``module(query, key, value, ...)``, from the query and key projections only.
-
-    Equal to ``module(..., need_weights=True, average_attn_weights=False)[1]`` in eval mode (no
-    dropout): ``[B, heads, L, S]``, or ``[heads, L, S]`` for unbatched (2-D) inputs, in float32
-    (float64 for float64 inputs). ``value`` is not needed and not read. Masks follow the module:
-    a boolean ``attn_mask``/``key_padding_mask`` is True where *masked*, a float one is added;
-    ``is_causal`` is a hint that the ``attn_mask`` given is causal, so the mask is what counts.
-    A row with every key masked is zero (the module gives NaN).
-
-    >>> mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
-    >>> x = torch.randn(2, 5, 16)
-    >>> w = mha_weights(mha, x, x)
-    >>> w.shape, bool(torch.allclose(w, mha(x, x, x, average_attn_weights=False)[1], atol=1e-6))
-    (torch.Size([2, 4, 5, 5]), True)
-    """
-    with torch.no_grad():
-        return _mha(module, query, key, key_padding_mask, attn_mask, is_causal, slice(None))
 
 
 # ---------------------------------------------------------------------------------- the collector
@@ -396,8 +136,15 @@ class Attention(Mapping[str, torch.Tensor]):
         heads: Heads = "mean",
         rows: Rows = "all",
         to: torch.device | str | None = None,
+        kernel: Kernel = "fused",
     ) -> None:
-        _check(heads, rows)
+        check_options(heads, rows)
+        if kernel not in KERNELS:
+            raise ArgumentError(
+                f"kernel={kernel!r} is not one of {KERNELS}: 'fused' leaves the model's attention kernel to run and "
+                "recomputes the probabilities beside it, 'eager' computes the result from the probabilities in its place"
+            )
+        self.kernel = kernel
         self.model = model
         self.heads = heads
         self.rows = rows
@@ -426,9 +173,16 @@ class Attention(Mapping[str, torch.Tensor]):
         self._sdpa: set[str] = set()  # sites read from scaled_dot_product_attention: their softmax is not attention
         self._softmax_last_dim: dict[str, bool] = {}
         self._signatures: dict[str, inspect.Signature] = {}
-        self._terms: _Terms | None = None  # those of the last mask, for the next layers given the same
+        self._terms: MaskTerms | None = None  # those of the last mask, for the next layers given the same
+        # kernel="eager": each scaled_dot_product_attention call is computed here, in the kernel's place,
+        # and so not tapped (its inputs and output would only pass by)
+        runs = None
+        read = self._selection
+        if kernel == "eager":
+            runs = {spec: self._run_sdpa for spec in specs if isinstance(spec, tuple) and spec[1] == _SDPA}
+            read = chosen.select([spec for spec in specs if spec not in runs])
         # made once: a collector entered batch after batch only adds and removes its hooks
-        self._tap: Tap = tap(self.model, self._selection, capture=("input", "output"), observe=self._observe)
+        self._tap: Tap = tap(self.model, read, capture=("input", "output"), observe=self._observe, replace=runs)
 
     # -------------------------------------------------------------- the mapping
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -506,7 +260,7 @@ class Attention(Mapping[str, torch.Tensor]):
             elif self._softmax_last_dim.pop(op.module, False) and op.module not in self._sdpa:
                 weights = _four_d(value)
                 at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
-                kept = _heads(_take_rows(weights, at, 4), self.heads).to(_dtype(weights))
+                kept = fuse_heads(take_rows(weights, at, 4), self.heads).to(compute_dtype(weights))
                 self._put(op.module, kept.clone() if shares_memory(kept, weights) else kept)
 
     def _read_inputs(self, name: str, op: OpName | None, value: Any) -> None:
@@ -524,20 +278,50 @@ class Attention(Mapping[str, torch.Tensor]):
 
     def _from_sdpa(self, value: Any) -> torch.Tensor:
         a = _arguments(value, _SDPA_ARGS)
-        causal, gqa = bool(a.get("is_causal", False)), bool(a.get("enable_gqa", False))
         query = a["query"]
-        at = _rows_at(self.rows, query.size(0), query.size(-2), query.device) if query.dim() >= 3 else _ROWS[self.rows]
-        mask, terms = a.get("attn_mask"), None
+        at = _rows_at(self.rows, query.size(0), query.size(-2), query.device) if query.dim() >= 3 else ROW_SLICES[self.rows]
+        return fuse_heads(_four_d(self._weights(a, at)), self.heads)
+
+    def _weights(self, a: dict[str, Any], at: At = ROW_SLICES["all"]) -> torch.Tensor:
+        """The probabilities of a scaled_dot_product_attention call's arguments ``a``, at query rows ``at``
+        (a mask's terms kept for the next layers given the same mask)."""
+        query, mask, terms = a["query"], a.get("attn_mask"), None
         if mask is not None:
-            mask = _materialize(mask, query.device)
-            dtype = _dtype(query)
-            key = _terms_key(mask, at, dtype)
+            mask = materialize(mask, query.device)
+            dtype = compute_dtype(query)
+            key = mask_terms_key(mask, at, dtype)
             terms = self._terms
             if terms is None or key is None or terms.key != key:
-                terms = _Terms(mask, at, query.dim(), dtype)
+                terms = MaskTerms(mask, at, query.dim(), dtype)
                 self._terms = terms if key is not None else None
-        weights = _sdpa(query, a["key"], mask, causal, a.get("scale"), gqa, at, terms)
-        return _heads(_four_d(weights), self.heads)
+        causal, gqa = bool(a.get("is_causal", False)), bool(a.get("enable_gqa", False))
+        return sdpa_rows(query, a["key"], mask, causal, a.get("scale"), gqa, at, terms)
+
+    def _run_sdpa(self, name: str, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A scaled_dot_product_attention call computed in the kernel's place (``kernel="eager"``):
+        ``softmax(q kᵀ·scale + mask) @ v``, with autograd as the call had it; a call with dropout runs
+        its kernel (its random mask cannot be drawn again here), its probabilities recomputed beside it."""
+        op = self._selection.ops[name]
+        a = _arguments(Inputs(args, kwargs), _SDPA_ARGS)
+        if a.get("dropout_p") or a["query"].dim() < 3:
+            with torch.no_grad():
+                self._read_inputs(name, op, Inputs(args, kwargs))
+            return func(*args, **kwargs)
+        try:
+            weights = self._weights(a)
+            value = a["value"]
+            if a.get("enable_gqa"):
+                value = value.repeat_interleave(a["query"].size(-3) // value.size(-3), -3)
+            out = (weights @ value.to(weights.dtype)).to(a["query"].dtype)
+        except Exception as e:
+            raise TapError(
+                f"layertap.attention (kernel='eager') could not compute the attention of {op.module!r} "
+                f"({type(self.sites[op.module]).__name__}): {type(e).__name__}: {e}. Use kernel='fused', or leave it out with layers="
+            ) from e
+        self._sdpa.add(op.module)
+        at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
+        self._put(op.module, fuse_heads(_four_d(take_rows(weights.detach(), at, weights.dim())), self.heads))
+        return out
 
     def _from_mha(self, name: str, value: Any) -> torch.Tensor:
         module = self.sites[name]
@@ -548,12 +332,12 @@ class Attention(Mapping[str, torch.Tensor]):
         a = _arguments(value, signature)
         causal = bool(a.get("is_causal", False))
         query = a["query"]
-        at: At = _ROWS[self.rows]
+        at: At = ROW_SLICES[self.rows]
         if query.dim() == 3:  # batched: [B, L, E] or [L, B, E]
             batch, length = (query.size(0), query.size(1)) if module.batch_first else (query.size(1), query.size(0))
             at = _rows_at(self.rows, batch, length, query.device)
-        weights = _mha(module, query, a["key"], a.get("key_padding_mask"), a.get("attn_mask"), causal, at)
-        return _heads(_four_d(weights), self.heads)
+        weights = mha_rows(module, query, a["key"], a.get("key_padding_mask"), a.get("attn_mask"), causal, at)
+        return fuse_heads(_four_d(weights), self.heads)
 
 
 def attention(
@@ -563,6 +347,7 @@ def attention(
     heads: Heads = "mean",
     rows: Rows = "all",
     to: torch.device | str | None = None,
+    kernel: Kernel = "fused",
 ) -> Attention:
     """Collect the attention probabilities of ``model``'s attention modules while a ``with`` block runs.
 
@@ -576,6 +361,13 @@ def attention(
             the model is called with a ``[B, T]`` ``attention_mask``, they are each sequence's
             first and last *real* token, whether the batch is padded on the left or the right.
         to: the device results are moved to (default: where the model computes).
+        kernel: what computes a ``scaled_dot_product_attention`` call's result. ``"fused"`` leaves
+            the model's own kernel to run and recomputes the probabilities beside it: the model's
+            outputs are bit for bit its own, at the cost of one more ``q @ kᵀ`` and softmax a
+            call. ``"eager"`` computes the probabilities once and the result from them, in the
+            kernel's place, as ``attn_implementation="eager"`` would (``softmax(q kᵀ·scale +
+            mask) @ v``, with autograd): outputs equal the kernel's to float rounding, at the
+            cost of the eager route or less. A call with dropout keeps its kernel either way.
 
     How each module is read: an ``nn.MultiheadAttention`` from its inputs (`mha_weights`); any
     other from the arguments of its ``scaled_dot_product_attention`` call (`sdpa_weights`) or,
@@ -593,4 +385,10 @@ def attention(
     >>> {name: tuple(a.shape) for name, a in att.items()}
     {'blocks.0.attn': (2, 3, 1, 5), 'blocks.1.attn': (2, 3, 1, 5)}
     """
-    return Attention(model, layers, heads=heads, rows=rows, to=to)
+    return Attention(model, layers, heads=heads, rows=rows, to=to, kernel=kernel)
+
+
+__all__ = [
+    "HEADS", "KERNELS", "ROWS", "Attention", "Heads", "Kernel", "Rows",
+    "attention", "is_attention", "mha_weights", "reduce_weights", "sdpa_weights",
+]  # fmt: skip

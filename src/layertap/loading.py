@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError, require
+from .hfcode import AUTO_MAP, names_code
 from .modelinfo import ModelInfo, hf_info, model_info, timm_info
 from .shapes.data import ShapesTransform
 
@@ -187,10 +188,10 @@ class ProcessorTransform:
         return self.processor(images=image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
 
 
-def _custom_code(spec: str) -> ModelLoadError:
+def _custom_code(spec: str, what: str = AUTO_MAP) -> ModelLoadError:
     return ModelLoadError(
-        f"{spec} brings its own Python code (auto_map in its config files), which runs when it is loaded; "
-        "layertap runs it only if you trust the folder: read its .py files, then pass --trust (trust=True)"
+        f"{spec} brings {what}, which runs when it is loaded; layertap runs it only if you trust the "
+        "folder: read the code it names, then pass --trust (trust=True)"
     )
 
 
@@ -328,8 +329,9 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
                 _check_zip_weights(folder / name)
     # with trust_remote_code=False, transformers would quietly use its own class for a known model
     # type: refuse instead, as the folder means its own code
-    if not trust and "auto_map" in transformers.PretrainedConfig.get_config_dict(path_or_name)[0]:
-        raise _custom_code(spec)
+    code = names_code(transformers.PretrainedConfig.get_config_dict(path_or_name)[0])
+    if not trust and code is not None:
+        raise _custom_code(spec, code)
     # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
     with _hf_refusals(spec):
         model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)

@@ -2,7 +2,7 @@
 turned into `layertap.extract.units.Units` with it.
 
 - `default_tokenizer`: the tokenizer saved beside an ``hf:`` model (its folder), read as data:
-  a tokenizer whose config names its own code is refused, as `layertap.load_model` refuses models.
+  a tokenizer whose config files name code (`layertap.hfcode`) is refused, as `layertap.load_model` refuses models.
 - `tokenizer_fingerprint`: the tokenizer's name and a hash of what tokenizes (vocabulary,
   merges, normalisation, special tokens), not of its padding side, which layertap does not use:
   it pads batches itself, on the right (see `layertap.extract.batches`).
@@ -23,6 +23,7 @@ from torch import nn
 
 from ..data import OnError
 from ..errors import ArgumentError, DataError, ModelLoadError, require
+from ..hfcode import folder_names_code
 from ..modelinfo import model_info
 from ..records import SkippedSample
 from .corpus import Corpus
@@ -51,16 +52,17 @@ def default_tokenizer(model: nn.Module) -> Any:
 
 
 def read_tokenizer(folder: Path, fix: str = "pass tokenizer=") -> Any:
-    """The Hugging Face tokenizer saved in ``folder``, read as data: one whose config names its
-    own code (``auto_map``) is refused; ``fix`` ends the messages of failures."""
+    """The Hugging Face tokenizer saved in ``folder``, read as data: one whose config files name
+    code (its ``auto_map``, in ``tokenizer_config.json`` or ``config.json``, or a Hub kernel) is refused;
+    ``fix`` ends the messages of failures."""
     transformers = require("transformers", "text")
-    config = folder / "tokenizer_config.json"
     try:
-        auto_map = "auto_map" in json.loads(config.read_text()) if config.is_file() else False
+        # transformers also reads a tokenizer's auto_map from the model's config.json
+        code = folder_names_code(folder, "tokenizer_config.json") or folder_names_code(folder, "config.json", "AutoTokenizer")
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{config} is not valid JSON ({e}): fix or remove it, or {fix}") from e
-    if auto_map:
-        raise ModelLoadError(f"the tokenizer in {folder} names its own code (auto_map), which layertap does not run: {fix}")
+        raise ModelLoadError(f"a config file in {folder} is not valid JSON ({e}): fix or remove it, or {fix}") from e
+    if code is not None:
+        raise ModelLoadError(f"the tokenizer in {folder} comes with {code}, which layertap does not run: {fix}")
     try:
         return transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError) as e:

@@ -39,7 +39,6 @@ each call and hand its value to the helpers.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -57,8 +56,8 @@ from .copies import Copies
 from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
-from .ops import OpTaps, hidden, op_name
-from .options import KINDS, Edit, Inputs, Kind, Observe, Options, _arguments, _given, checked, copied, edited
+from .ops import OpTaps, hidden, op_name, weak
+from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
 from .sharded import Sharded, whole
 
 
@@ -82,22 +81,6 @@ def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> 
     )
     return TapError(f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); {fix}. {type(exc).__name__}: {exc}")
 
-
-def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` of the tap, for a helper to call without keeping the tap alive.
-
-    A tap must go when its last reference goes, by reference counting, not at the next cyclic
-    garbage collection: its copies then return to the pool at once, for the next tap's forward
-    (``with tap(...) as t: model(x)`` batch after batch). Gradient hooks can outlive the tap (a
-    backward after ``del t``): nobody can read what they would store, so they store nothing.
-    """
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*args)
-
-    return call
 
 class Tap(Mapping):
     """Hooks on the chosen layers of a model; made by `layertap.tap`, which documents the options.
@@ -132,19 +115,21 @@ class Tap(Mapping):
         edits = edited(options.edit, chosen, self.names)
         self._sharded = sharded = Sharded.of(chosen.every, options.gather)  # tensor-parallel parts seen whole (sharded.py)
         self._edits = edits.functions if sharded is None else {n: sharded.edit(f) for n, f in edits.functions.items()}
-        self._modules.update(edits.modules)
-        self._sites.update((name, op) for name, op in edits.ops.items() if name not in self._sites)
-        self._ops = OpTaps(self._sites, chosen.star, self._modules, _weak(self._op_hook))
+        runs = replaced(options.replace, chosen, self.names)  # ops only: their modules are the ops' owners
+        self._runs = runs.functions
+        self._modules.update(edits.modules | runs.modules)
+        self._sites.update((name, op) for name, op in (edits.ops | runs.ops).items() if name not in self._sites)
+        self._ops = OpTaps(self._sites, chosen.star, self._modules, weak(self._op_hook))
         if self._ops and self._kept.parallel:
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
         gather = None if sharded is None else lambda t: whole(t, options.gather)
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
         self._masks = options.reduce is not None or self._observe is not None  # who may read the call's mask (masks.py)
-        self._grads = Grads(self._transform, self._observe, self.keep, _weak(self._put_grads))
+        self._grads = Grads(self._transform, self._observe, self.keep, weak(self._put_grads))
         self._copies = Copies()
         # only a tap that may keep a tensor of the network's own learns about in-place ops: a reduction always makes a fresh one
         learns = options.reduce is None and self._observe is None and bool({"output", "input"} & set(kinds))
-        self._inplace = InPlace(learns, copied(options.copy, chosen, self.names), _weak(self._where))
+        self._inplace = InPlace(learns, copied(options.copy, chosen, self.names), weak(self._where))
         self._handles: list[RemovableHandle] = []
         self._restore: contextlib.ExitStack | None = None
         self._calls: dict[str | tuple[str, int], int] = {}  # calls counted per layer since clear()
@@ -352,7 +337,7 @@ class Tap(Mapping):
             args, kwargs = _arguments(single, value, kwargs)
         if self._want_grads:
             call.saw((args, kwargs))
-        out = func(*args, **kwargs)
+        out = self._run(hits, func, args, kwargs)
         if call.swaps:
             call.rebase()
         if not saw(out):
@@ -366,6 +351,14 @@ class Tap(Mapping):
                 self._started(name)
                 out = self._take_output(name, module, out, None, call)
         return out
+
+    def _run(self, hits: list[str], func: Any, args: tuple, kwargs: dict) -> Any:
+        """The op's call, or in its place the first ``replace=`` function of the names it hits."""
+        for name in hits:
+            run = self._runs.get(name)
+            if run is not None:
+                return run(name, func, args, kwargs)
+        return func(*args, **kwargs)
 
     def _op_inputs(self, tapped: list[str], module: nn.Module, single: bool, args: tuple, kwargs: dict, call: Call) -> tuple[tuple, dict]:
         """Capture the inputs of an op's call; returns its arguments, with gradient hooks for ``grad_input``."""
@@ -537,6 +530,7 @@ def tap(
     observe: Observe = None,
     copy: bool | Layers = False,
     gather: bool = True,
+    replace: Replace = None,
 ) -> Tap:
     """Tap ``layers`` of ``model`` for the duration of a ``with`` block.
 
@@ -569,6 +563,9 @@ def tap(
             ``with`` block.
         edit: ``f(name, output) -> new_output`` for every tapped layer, or ``{spec: f}``; the
             result (unless ``None``) replaces the output downstream, and is what is captured.
+        replace: ``f(name, func, args, kwargs) -> result`` for every tapped op, or ``{op spec: f}``:
+            called *in place of* the op (``func(*args, **kwargs)`` is not run unless ``f`` runs
+            it); what it returns is the op's result, then edited and captured as usual.
         copy: ``True``, or specs of tapped layers, whose values are always copied rather than
             guarded, so that no in-place op can lose one (the cost: a copy per call).
         observe: ``f(name, kind, call, value)``, called inside the hook with each value as it
@@ -593,7 +590,7 @@ def tap(
     >>> t.grads["layer3"].shape == t["layer3"].shape
     True
     """
-    return Tap(model, layers, Options(capture, keep, detach, to, dtype, reduce, stop_early, edit, observe, copy, gather))
+    return Tap(model, layers, Options(capture, keep, detach, to, dtype, reduce, stop_early, edit, observe, copy, gather, replace))
 
 
 __all__ = ["tap", "Tap", "Inputs", "KINDS", "LayerNotFoundError", "op_name"]

@@ -15,7 +15,8 @@
   fresh tensor, which is never copied again. Tensors made under ``torch.inference_mode()`` have
   no version counter, so there every shared value is copied, as for a call outside a forward of
   the tapped model (a submodule called on its own): run taps under ``torch.no_grad()`` to hold
-  less memory.
+  less memory. A write that bypasses the version counter (``h.data.clamp_(0)``, a NumPy view
+  written in place) cannot be seen by this: ``copy=`` is the way for such a layer.
 
 `InPlace` holds one tap's share of this: what it learned (by kind, name and call position), the
 values it copied to learn from and the ones it guards in the running forward, and the call

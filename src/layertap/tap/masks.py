@@ -5,8 +5,8 @@ they make a document's feature depend on its batch-mates. The mask comes from th
 
 - `watch` hooks the tapped model for a tap's lifetime (``model.module`` of an
   ``nn.DataParallel``, whose replicas run its hooks, each in a thread of its own, on their part
-  of the batch): while a call runs, its ``attention_mask`` (a keyword, or an entry of a dict given
-  as the first argument) is the running mask of the thread that runs it. The state is per thread,
+  of the batch): while a call runs, its ``attention_mask`` (a keyword, the positional argument of
+  the forward's parameter of that name, or an entry of a dict given as the first argument) is the running mask of the thread that runs it. The state is per thread,
   so a model run by several threads at once has one mask per call. Calls nest (a tapped model
   inside another tapped one): the innermost mask that fits is used.
 - `real_tokens(batch, length)` is the running mask as booleans if it is ``[batch, length]``, else
@@ -33,6 +33,7 @@ they make a document's feature depend on its batch-mates. The mask comes from th
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -64,11 +65,28 @@ class _Running(threading.local):
 _RUNNING = _Running()
 
 
-def _mask_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _mask_of(args: tuple, kwargs: dict, at: int | None) -> torch.Tensor | None:
     mask = kwargs.get("attention_mask")
+    if mask is None and at is not None and len(args) > at:
+        mask = args[at]
     if mask is None and args and isinstance(args[0], Mapping):
         mask = args[0].get("attention_mask")
     return mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+def _position(model: nn.Module) -> int | None:
+    """Where ``model(ids, mask)`` passes ``attention_mask`` positionally: its forward's parameter of
+    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return None
+    for i, p in enumerate(parameters):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == "attention_mask":
+            return i
+    return None
 
 
 class _Watch:
@@ -76,8 +94,9 @@ class _Watch:
     covers ``Exception`` only), so a call may stay behind: it counts only while its watch is still
     hooked, and the watch's next call drops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, at: int | None) -> None:
         self.handle: RemovableHandle | None = None
+        self.at = at  # the position of the forward's attention_mask parameter
 
     def hooked(self) -> bool:
         handle = self.handle
@@ -89,7 +108,7 @@ class _Watch:
     def started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         calls = _RUNNING.calls
         calls[:] = [c for c in calls if c.owner is not self and c.owner.hooked()]  # calls left behind
-        calls.append(_Call(self, _mask_of(args, kwargs)))
+        calls.append(_Call(self, _mask_of(args, kwargs, self.at)))
 
     def ended(self, module: nn.Module, args: tuple, output: Any) -> None:
         calls = _RUNNING.calls
@@ -106,7 +125,7 @@ def watch(model: nn.Module) -> list[RemovableHandle]:
     first of them to after the last (a tapped root's input and output are reduced under it).
     """
     target = model.module if isinstance(model, nn.DataParallel) else model
-    watcher = _Watch()
+    watcher = _Watch(_position(target))
     watcher.handle = target.register_forward_pre_hook(hidden(watcher.started), with_kwargs=True, prepend=True)
     return [watcher.handle, target.register_forward_hook(hidden(watcher.ended), always_call=True)]
 

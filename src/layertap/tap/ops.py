@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -92,6 +93,23 @@ def hidden(hook: Callable[..., Any]) -> Callable[..., Any]:
             hooks.running -= 1
 
     return run
+
+
+def weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a tap, for a helper (and a hook) to call without keeping the tap alive.
+
+    A tap must go when its last reference goes, by reference counting, not at the next cyclic
+    garbage collection: its copies then return to the pool at once, for the next tap's forward
+    (``with tap(...) as t: model(x)`` batch after batch). Gradient hooks can outlive the tap (a
+    backward after ``del t``): nobody can read what they would store, so they store nothing.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 def op_name(func: Any) -> str:

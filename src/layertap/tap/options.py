@@ -1,6 +1,6 @@
 """What `layertap.tap` is given: the kinds it captures, the keep policies, the checks of the options
-together, and ``copy=`` and ``edit=`` resolved against the tapped layers; `Inputs`, the form a
-captured input of several arguments takes."""
+together, and ``copy=``, ``edit=`` and ``replace=`` resolved against the tapped layers; `Inputs`, the
+form a captured input of several arguments takes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ KINDS: tuple[str, ...] = ("output", "input", "grad", "grad_input")
 KEEPS = ("last", "first", "all")
 Edit = Callable[[str, Any], Any] | Mapping[Any, Callable[[str, Any], Any]] | None
 Observe = Callable[[str, str, int, Any], None] | None
+Run = Callable[[str, Any, tuple, dict], Any]  # replace=: f(name, func, args, kwargs) -> the op's result
+Replace = Run | Mapping[Any, Run] | None
 
 
 class Inputs(NamedTuple):
@@ -52,6 +54,7 @@ class Options(NamedTuple):
     observe: Observe
     copy: bool | Layers
     gather: bool = True
+    replace: Replace = None
 
 
 def checked(options: Options) -> tuple[str, ...]:
@@ -87,31 +90,45 @@ def copied(copy: bool | Layers, chosen: Selection, tapped: list[str]) -> set[str
 
 
 class Edits(NamedTuple):
-    """``edit=`` resolved: the function of each edited name, and the ops and modules edited."""
+    """``edit=`` (or ``replace=``) resolved: the function of each name, and the ops and modules named."""
 
-    functions: dict[str, Callable[[str, Any], Any]]
+    functions: dict[str, Callable[..., Any]]
     ops: dict[str, OpName]
     modules: dict[str, nn.Module]
 
 
-def edited(edit: Edit, chosen: Selection, tapped: list[str]) -> Edits:
-    """``edit=`` resolved against the model's ``chosen`` layers (``tapped``: the names known now)."""
+def edited(edit: Edit | Replace, chosen: Selection, tapped: list[str], option: str = "edit") -> Edits:
+    """``edit=`` (or the ``option`` named, ``replace=``) resolved against the model's ``chosen``
+    layers (``tapped``: the names known now)."""
     edits = Edits({}, {}, {})
     if edit is None:
         return edits
     if callable(edit):
         if chosen.star:
-            raise TapError("edit= needs named ops, not 'module:*' (named only as they run): list them with summary(model, x, ops=True)")
+            raise TapError(f"{option}= needs named ops, not 'module:*' (named only as they run): list them with summary(model, x, ops=True)")
         edits.functions.update(dict.fromkeys(tapped, edit))
+        edits.ops.update((name, op) for name, op in chosen.ops.items() if name in edits.functions)
         return edits
     for spec, fn in edit.items():
-        found = chosen.select(spec)
+        found = chosen.select([spec])  # a tuple key is one (module, op) spec, not a list of specs
         for name in found.names:
             op = found.ops.get(name)
             if op is not None and op.op == "*":
-                raise TapError(f"edit= needs named ops, not {name!r}: list the ops with summary(model, x, ops=True)")
+                raise TapError(f"{option}= needs named ops, not {name!r}: list the ops with summary(model, x, ops=True)")
             if op is not None:
                 edits.ops[name] = op
             edits.functions[name] = fn
         edits.modules.update(found.modules)
     return edits
+
+
+def replaced(replace: Replace, chosen: Selection, tapped: list[str]) -> Edits:
+    """``replace=`` resolved: ops only, since a module's hooks cannot stand in for its forward."""
+    runs = edited(replace, chosen, tapped, "replace")
+    modules = [name for name in runs.functions if name not in runs.ops]
+    if modules:
+        raise TapError(
+            f"replace= stands in for ops inside a module's forward ('module:op'), and {modules[0]!r} is a module: "
+            "name its op (list them with summary(model, x, ops=True)), or change its output with edit="
+        )
+    return runs
