@@ -648,3 +648,111 @@ def test_a_marker_without_digests_cannot_skip_the_content_check(tmp_path):
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "digests": None}))
     with pytest.raises(StoreError, match="chunk 0 has no digests"):
         extract(out, "npy", dataset=data(seed=5))  # other data: it must not slip through chunk 0
+
+
+def _unallocated(f, name: str, shape: tuple, dtype, chunks=None) -> None:
+    """Replace ``name`` in the open HDF5 file ``f`` by an array of ``shape`` that was never written:
+    HDF5 allocates it late, when first written, so the file holds none of its bytes."""
+    import h5py
+
+    del f[name]
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_LATE)
+    if chunks is not None:
+        dcpl.set_chunk(chunks)
+    f.create_dataset(name, shape=shape, dtype=dtype, dcpl=dcpl)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+@pytest.mark.parametrize("width", [5, 10**9], ids=["its width", "1e9 wide"])
+def test_an_hdf5_array_without_storage_for_its_rows_is_refused_whatever_its_layout(tmp_path, layout, width):
+    import h5py
+
+    out = tmp_path / "s.h5"
+    extract(out, "hdf5").close()
+    with h5py.File(out, "r+") as f:  # never written: it would read fill values (zeros) as features
+        _unallocated(f, "features/1", (10, width), np.float32, chunks=(4, min(width, 1024)) if layout == "chunked" else None)
+    meta = read_meta(out, "hdf5")
+    meta["arrays"][0]["shape"] = [width]
+    write_meta(out, "hdf5", meta)
+    assert out.stat().st_size < 100_000  # declaring 10 x 1e9 floats (40 GB) in a small file
+    for read in (layertap.open_features, lambda path: extract(path, "hdf5")):  # reading, and resuming
+        with pytest.raises(StoreError, match="array 'features/1' has no storage for all its rows") as e:
+            read(out)
+        assert one_line(e.value)
+
+
+def test_hdf5_chunk_markers_without_storage_or_wider_than_written_are_refused_before_they_are_read(tmp_path):
+    import h5py
+
+    out = tmp_path / "s.h5"
+    extract(out, "hdf5").close()
+    with h5py.File(out, "r+") as f:  # 3 markers of 1 GB each, in a file of a few KB
+        _unallocated(f, "_chunks", (3, 10**9), np.uint8)
+    with pytest.raises(StoreError, match="array '_chunks' has no storage for all its rows") as e:
+        layertap.open_features(out)
+    assert one_line(e.value)
+    with h5py.File(out, "r+") as f:  # stored, but far wider than a writer makes markers for chunks of 4
+        del f["_chunks"]
+        f.create_dataset("_chunks", data=np.zeros((3, 100_000), np.uint8))
+    with pytest.raises(StoreError, match="its chunk markers are 100000 bytes each, more than the 4192 its writer makes"):
+        layertap.open_features(out)
+
+
+def _deep(text: str) -> str:
+    """JSON metadata with a field nested deeper than Python's recursion limit."""
+    return text.rstrip()[:-1] + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
+
+
+def _craft_deep_npy(out: Path) -> None:
+    (out / "layertap.json").write_text(_deep((out / "layertap.json").read_text()))
+
+
+def _craft_deep_hdf5(out: Path) -> None:
+    import h5py
+
+    with h5py.File(out, "r+") as f:
+        f.attrs["layertap"] = _deep(f.attrs["layertap"])
+
+
+def _craft_numeric_markers(out: Path) -> None:
+    import h5py
+
+    with h5py.File(out, "r+") as f:  # a 1-D marker array, not text, and no flags
+        del f["_chunks"], f["_done"]
+        f.create_dataset("_chunks", data=np.zeros(3, dtype=np.uint8))
+
+
+def _craft_done_group(out: Path) -> None:
+    import h5py
+
+    with h5py.File(out, "r+") as f:
+        del f["_done"]
+        f.create_group("_done")
+
+
+def _craft_versions(out: Path) -> None:
+    meta = read_meta(out, "npy")
+    meta["versions"] = ["torch", "2.0"]
+    write_meta(out, "npy", meta)
+
+
+@pytest.mark.parametrize(
+    "format, craft, message",
+    [
+        ("npy", _craft_deep_npy, "its layertap.json is not JSON that can be read .*recursion"),
+        ("hdf5", _craft_deep_hdf5, "its metadata is not JSON that can be read .*recursion"),
+        ("hdf5", _craft_numeric_markers, "its chunk markers are missing \\(it has no array '_done'\\)"),
+        ("hdf5", _craft_done_group, "'_done' is a group, not an array"),
+        ("npy", _craft_versions, "its metadata field 'versions' is not an object of version strings"),
+    ],
+    ids=["npy deep JSON", "hdf5 deep JSON", "hdf5 numeric markers without flags", "hdf5 flags as a group", "versions a list"],
+)
+def test_crafted_metadata_and_markers_are_a_store_error_not_a_raw_exception(tmp_path, format, craft, message):
+    out = tmp_path / FORMATS[format]
+    extract(out, format).close()
+    craft(out)
+    for read in (layertap.open_features, lambda path: extract(path, format)):  # reading, and resuming
+        with pytest.raises(StoreError, match=message) as e:
+            read(out)
+        assert one_line(e.value) and "extract again into a new path" in str(e.value)

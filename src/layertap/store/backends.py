@@ -24,7 +24,7 @@ import numpy as np
 
 from ..atomic import sync_path
 from ..errors import StoreError, require
-from .format import _LOCK, _MARKER_BYTES_PER_SAMPLE, _NPY_HALF_META, _NPY_META, _ZARR_HALF_META, _Codec, _fit
+from .format import _LOCK, _NPY_HALF_META, _NPY_META, _ZARR_HALF_META, _Codec, _fit, _marker_width
 from .paths import Location, _bad, _check_inside, _check_no_links_out, _foreign_entries, _names, _one_line, is_url, url_failed, url_fs
 
 _ZARR_META = re.compile(rf"zarr\.json|{_ZARR_HALF_META.pattern}")  # a partial file: one Zarr was writing
@@ -295,6 +295,7 @@ class _HDF5Backend(_Backend):
         "Zarr (the default: --out feats.zarr), or npy; both take a writer per process"
     )
     ONE_FILE = True
+    DONE = "_done"  # a flag per chunk, set once its marker (in MARKERS) is written
     path: Path
 
     def __init__(self, path: Path, mode: str) -> None:
@@ -353,8 +354,8 @@ class _HDF5Backend(_Backend):
             return None
         try:
             return json.loads(text)
-        except (ValueError, TypeError) as e:
-            raise _bad(self.path, "its metadata is not JSON") from e
+        except (ValueError, TypeError, RecursionError) as e:  # RecursionError: nested too deep to read
+            raise _bad(self.path, f"its metadata is not JSON that can be read ({_one_line(e)})") from e
 
     def write_meta(self, meta: dict) -> None:
         self.file.attrs["layertap"] = json.dumps(meta)
@@ -376,7 +377,8 @@ class _HDF5Backend(_Backend):
         found = self.file[name]
         if not isinstance(found, self.h5py.Dataset):
             raise _bad(self.path, f"{name!r} is a group, not an array")
-        if found.chunks is not None and found.id.get_storage_size() < found.size * found.dtype.itemsize and found.dtype.kind != "O":
+        # allocated whole when made, whatever the layout: without it, fill values read as data (or a huge shape as memory)
+        if found.id.get_storage_size() < found.size * found.dtype.itemsize:  # (variable-length text: 16 bytes stored per 8)
             raise _bad(self.path, f"array {name!r} has no storage for all its rows (a layertap HDF5 store allocates it all)")
         return found
 
@@ -394,8 +396,6 @@ class _HDF5Backend(_Backend):
     def resize(self, name: str, n: int) -> None:
         self.file[name].resize(n, axis=0)
 
-    DONE = "_done"
-
     def mark(self, chunk: int, text: str) -> None:
         # markers are fixed-size rows allocated with the file: marking a chunk writes data into
         # space that exists, so a full disk cannot leave the file's structure half written
@@ -409,20 +409,20 @@ class _HDF5Backend(_Backend):
         done[chunk] = 1
 
     def markers(self) -> dict[int, str]:
-        markers = self.file[self.MARKERS]
-        if self.DONE not in self.file and markers.ndim == 1:  # a version-1 store: text markers
+        markers = self.array(self.MARKERS)  # through `array`: arrays, with their storage, or refused
+        if self.DONE not in self.file and markers.ndim == 1 and self.is_text(markers):  # a version-1 store: text markers
             values = markers.asstr()[:]
             return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
-        done = self.file[self.DONE]
-        if markers.ndim != 2 or done.shape != markers.shape[:1]:
-            raise _bad(self.path, "its chunk markers and their flags do not agree")
+        done = self.array(self.DONE)  # KeyError when missing: the markers are refused as missing
+        if markers.ndim != 2 or markers.dtype != np.uint8 or done.shape != markers.shape[:1] or done.dtype.kind not in "biu":
+            raise _bad(self.path, "its chunk markers (bytes, a row per chunk) and their flags (a number per chunk) do not agree")
         try:
             return {int(c): markers[c].tobytes().rstrip(b"\0").decode() for c in np.flatnonzero(done[:])}
         except UnicodeDecodeError as e:
             raise _bad(self.path, f"a chunk marker is not text ({_one_line(e)})") from e
 
     def create_markers(self, n: int, chunk_size: int) -> None:
-        width = _MARKER_BYTES_PER_SAMPLE * chunk_size + 4096
+        width = _marker_width(chunk_size)
         for name, shape, dtype in ((self.MARKERS, (n, width), np.uint8), (self.DONE, (n,), np.uint8)):
             self.create(name, shape, dtype, 1 if name == self.MARKERS else 256, 0)
 
@@ -490,8 +490,8 @@ class _NpyBackend(_Backend):
             return None
         try:
             return json.loads(_check_inside(self.path, meta, self.META).read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _bad(self.path, f"its {self.META} is not JSON") from e
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep to read
+            raise _bad(self.path, f"its {self.META} is not JSON that can be read ({_one_line(e)})") from e
 
     def write_meta(self, meta: dict) -> None:
         self._replace(self.path / self.META, json.dumps(meta, indent=1))

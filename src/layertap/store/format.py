@@ -169,6 +169,11 @@ class Marker:
 _MARKER_BYTES_PER_SAMPLE = 24  # room in an HDF5 marker: a digest per sample, and failures
 
 
+def _marker_width(chunk_size: int) -> int:
+    """The bytes of an HDF5 chunk marker (a row of its marker array) for chunks of ``chunk_size`` samples."""
+    return _MARKER_BYTES_PER_SAMPLE * chunk_size + 4096
+
+
 def _fit(text: str, width: int) -> bytes:
     """A marker's JSON in at most ``width`` bytes: a chunk of many failures with long messages
     keeps their error types only, then only their indices (the ids are in the ``ids`` array)."""

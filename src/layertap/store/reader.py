@@ -99,6 +99,17 @@ class FeatureStore(Mapping[str, Any]):
         """Samples that could not be loaded: ``SkippedSample(index, id, error)``, by index."""
         return sorted((f for m in self._markers.values() for f in m.failed), key=lambda f: f.index)
 
+    def written_ranges(self) -> list[tuple[int, int]]:
+        """The rows of the chunks marked written, as ranges ``(start, end)``, chunks in a row joined."""
+        chunk, n, ranges = self.meta["chunk_size"], self.num_samples, list[tuple[int, int]]()
+        for c in sorted(self._markers):
+            start, end = c * chunk, min(n, (c + 1) * chunk)
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+        return ranges
+
     @property
     def valid(self) -> np.ndarray:
         """Which rows hold features: ``True`` for every sample that was read and written, ``False``

@@ -15,8 +15,10 @@ bfloat16 features are stored as their raw 16 bits in an ``int16`` array (NumPy h
 bfloat16): `TokenStore.read` gives them back as bfloat16 tensors, and outside layertap
 ``torch.from_numpy(a).view(torch.bfloat16)`` (or ``a.view(ml_dtypes.bfloat16)``) does.
 
-The card and statistics are data: their types and sizes are checked on opening, as the rest of
-the store's metadata is (`layertap.store.trust`).
+The card, statistics and token arrays are data, checked on opening as the rest of the store is
+(`layertap.store.trust`): the card's fields, its layers and dtype against the feature arrays, its
+document count against what the store holds, and every written token's document, position and
+id in range.
 
 >>> import layertap
 >>> store = layertap.open_tokens("tokens.zarr")                       # doctest: +SKIP
@@ -60,6 +62,84 @@ def _is_floats(value: Any, n: int) -> bool:
     return isinstance(value, list) and len(value) == n and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# ----------------------------------------------------------------------------- the card
+def _check_dtype(card: dict, arrays: list[Any], where: Any) -> torch.dtype:
+    """The features' dtype: the card's, in which every feature array must be stored (bfloat16 as
+    its int16 bits), or with none in the card (the model's own) the one float dtype of them all."""
+    name = card.get("dtype")
+    if name not in (None, *_DTYPES):
+        raise _bad(where, f"its token card's dtype {printable(repr(name))[:100]} is not one of {[None, *_DTYPES]}")
+    stored = sorted({str(np.dtype(a.dtype)) for a in arrays})
+    if name is None:
+        ok = len(stored) == 1 and stored[0] in ("float16", "float32", "float64")
+    else:
+        ok = stored == ["int16" if name == "bfloat16" else name]
+    if not ok:
+        raise _bad(where, f"its token card says its features are {name or 'of one float dtype'}, but its arrays are stored as {stored} (bfloat16 as int16 bits)")
+    return _DTYPES[name or stored[0]]
+
+
+# Documents a store may hold no row of, beyond the skipped ones it lists: empty documents, and
+# those whose every token the policy drops ("no_special", a function). Nothing in a store counts
+# them, so this is the one bound on `num_documents` not read from the store: 2**24 such documents,
+# 128 MB of `TokenStore.doc_ids` at most beyond what its tokens and skipped documents account for.
+_ROWLESS_DOCUMENTS = 1 << 24
+
+
+def _check_documents(card: dict, meta: dict, rows: int, where: Any) -> int:
+    """The number of documents: a count, the settings', one id each, and bounded by what the
+    store holds (`doc_ids` is made from it); the skipped ones listed in order, each among them."""
+    n: Any = card.get("num_documents")
+    skipped: Any = card.get("skipped")
+    ids, settings = card.get("doc_ids"), meta.get("settings") or {}
+    if not _is_count(n):
+        raise _bad(where, f"its token card's num_documents {printable(repr(n))[:100]} is not a count (an integer from 0)")
+    if settings.get("documents", n) != n:
+        raise _bad(where, f"its token card's num_documents {n} is not the number of documents its settings name")
+    if not (ids is None or (isinstance(ids, list) and len(ids) == n and all(isinstance(d, (str, int)) for d in ids))):
+        raise _bad(where, "its token card's document ids are not a list of one id (text or integer) per document")
+    indices: list[Any] = [s[0] if isinstance(s, list) and len(s) == 3 else None for s in skipped] if isinstance(skipped, list) else [None]
+    if not all(_is_count(i) and i < n for i in indices) or indices != sorted(set(indices)):
+        raise _bad(where, "its token card's skipped documents are not a list of [index, id, error], in order, each one of its documents")
+    # each document is skipped (and listed), holds stored tokens, or is one of a bounded few (above)
+    if ids is None and n > len(skipped) + rows + _ROWLESS_DOCUMENTS:
+        raise _bad(where, f"its token card counts {n} documents, more than its {rows} tokens and {len(skipped)} skipped documents can be of")
+    return n
+
+
+_BLOCK = 1 << 20  # rows of a token array read at once by `_check_columns`
+
+
+def _check_columns(features: FeatureStore, card: dict, n_docs: int) -> None:
+    """Every written token's document in ``[0, num_documents)`` (``doc_ids[docs]`` must name it,
+    not wrap around to the last), position in ``[0, max_length)`` and token id from 0.
+
+    Each token array is read once, its written chunks only, in blocks of `_BLOCK` rows: on a
+    store of 1e6 tokens that is 20 MB (int64 documents and ids, int32 positions), measured from
+    the page cache at 2 ms (NumPy), 5 ms (HDF5) and 25 ms (Zarr, which decompresses them), of
+    the 130 to 250 ms that opening such a store takes (its markers' digests, mostly).
+    """
+    where, max_length, written = features.path, card.get("max_length"), features.written_ranges()
+    if not (max_length is None or (_is_count(max_length) and max_length >= 1)):
+        raise _bad(where, "its token card's max_length is not a positive count or null")
+    for name, high, what in ((DOCS, n_docs, "a document index"), (POSITIONS, max_length, "a position"), (TOKEN_IDS, None, "a token id")):
+        column = features[name]
+        if column.ndim != 1 or np.dtype(column.dtype).kind not in "iu":
+            raise _bad(where, f"its token array {name!r} is not one integer per token, but {column.dtype} of shape {list(column.shape)}")
+        for start, end in written:
+            for at in range(start, end, _BLOCK):
+                block = np.asarray(column[at : min(end, at + _BLOCK)])
+                wrong = (block < 0) if high is None else (block < 0) | (block >= high)
+                if wrong.any():
+                    i = int(np.flatnonzero(wrong)[0])
+                    span = "from 0" if high is None else f"in [0, {high})"
+                    raise _bad(where, f"its token array {name!r} holds {block[i]} at token {at + i}, not {what} {span}")
+
+
 class TokenStore:
     """A token store, opened for reading (see the module's docstring).
 
@@ -84,16 +164,15 @@ class TokenStore:
         card = meta.get("tokens")
         if not isinstance(card, dict):
             raise StoreError(f"{where} is a feature store, not a token store: open it with layertap.open_features")
-        keys = set(self.features)
+        if not all(k in self.features for k in EXTRA):
+            raise _bad(where, f"it lacks one of the token arrays {list(EXTRA)}")
         layers = card.get("layers")
-        if not (isinstance(layers, list) and all(isinstance(x, str) and x in keys for x in layers) and all(k in keys for k in EXTRA)):
-            raise _bad(where, "its token card names layers or token arrays that it does not hold")
-        docs = card.get("doc_ids")
-        n_docs = card.get("num_documents")
-        if not (isinstance(n_docs, int) and (docs is None or (isinstance(docs, list) and len(docs) == n_docs and all(isinstance(d, (str, int)) for d in docs)))):
-            raise _bad(where, "its token card's document ids are not a list of one id (text or integer) per document")
-        if card.get("dtype") not in (None, *_DTYPES):
-            raise _bad(where, f"its token card's dtype {card.get('dtype')!r} is not a float dtype")
+        features = [a["key"] for a in meta["arrays"] if a["key"] not in EXTRA]
+        if layers != features:  # each feature array once, in order, and no token array
+            raise _bad(where, f"its token card's layers {printable(repr(layers))[:200]} are not its feature arrays, {printable(repr(features))[:200]}")
+        self._dtype = _check_dtype(card, [self.features[k] for k in features], where)
+        n_docs = _check_documents(card, meta, len(self), where)
+        _check_columns(self.features, card, n_docs)
         stats = meta.get("token_stats") or {}
         widths = {a["key"]: int(np.prod(a["shape"], dtype=np.int64)) for a in meta["arrays"]}
         if not isinstance(stats, dict):
@@ -121,7 +200,7 @@ class TokenStore:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the features (bfloat16 ones are stored as int16 bits; `read` views them back)."""
-        return _DTYPES[self.card.get("dtype") or "float32"]
+        return self._dtype
 
     def __len__(self) -> int:
         return self.features.num_samples

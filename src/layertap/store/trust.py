@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import StoreError
 from ..records import SkippedSample
 from .backends import BACKENDS, _Backend, detect_format
-from .format import _ARRAY_PATH, _STORE_VERSION, Marker, _specs, array_key
+from .format import _ARRAY_PATH, _STORE_VERSION, Marker, _marker_width, _specs, array_key
 from .paths import Location, _bad, _one_line
 
 
@@ -81,6 +81,8 @@ def _check_fields(meta: dict, format: str, need: _Need) -> None:
     need(classes is None or (isinstance(classes, list) and all(isinstance(c, str) for c in classes)), "classes", "a list of strings")
     settings = meta.get("settings")
     need(settings is None or isinstance(settings, dict), "settings", "an object")
+    versions = meta.get("versions", {})  # read by the report: package -> version
+    need(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), "versions", "an object of version strings")
     if isinstance(settings, dict) and settings.get("num_samples") is not None:
         need(meta["num_samples"] == settings["num_samples"], "num_samples", "the number of samples its settings name")
 
@@ -179,13 +181,18 @@ def _check_markers(backend: _Backend, meta: dict, rows: int) -> list[int]:
     """The chunks marked written, in order: no more than the store has, all when it says complete."""
     path, chunks = backend.path, -(-rows // meta["chunk_size"])
     if backend.MARKER_SLOTS:  # one marker slot per chunk, read whole below
-        slots = _get(backend, backend.MARKERS).shape[0]
+        shape = _get(backend, backend.MARKERS).shape
+        if not shape:
+            raise _bad(path, "its chunk markers are one value, not a marker per chunk")
+        slots, *width = shape
         if slots > chunks or (meta["num_samples"] is not None and slots != chunks):
             raise _bad(path, f"it has {slots} chunk markers for {chunks} chunks")
+        if width and width[0] > _marker_width(meta["chunk_size"]):  # bytes per marker (HDF5): each is read whole
+            raise _bad(path, f"its chunk markers are {width[0]} bytes each, more than the {_marker_width(meta['chunk_size'])} its writer makes")
     try:
         done = sorted(backend.markers())
-    except KeyError:
-        raise _bad(path, "its chunk markers are missing") from None
+    except KeyError as e:
+        raise _bad(path, f"its chunk markers are missing (it has no array {e.args[0] if e.args else backend.MARKERS!r})") from None
     if meta["num_samples"] is not None and (done[-1:] and done[-1] >= chunks):
         raise _bad(path, f"it marks chunk {done[-1]} written, of {chunks}")
     if meta["complete"] and len(done) != chunks:
