@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .errors import ArgumentError
+from .errors import ArgumentError, StoreError
 from .store.tokens import TokenStore, open_tokens
 
 COLUMNS = ("token_ids", "docs", "positions")  # the store's per-row columns every batch carries
@@ -41,7 +41,8 @@ class TokenLoader(IterableDataset):
     (``benchmarks/bench_token_loader.py``, glibc's allocator as it comes and tuned, on an idle
     2-core machine). A NumPy store's sequential read is a plain copy from the page cache, which
     a gather of rows in random order cannot match.
-    ``shuffle=False`` reads the rows in order.
+    ``shuffle=False`` reads the rows in order. A store that is not complete (a run stopped before
+    its end) is refused: its unwritten rows hold fill values, not activations.
 
     **Mixing.** A batch's rows come from one buffer, so documents mix at the buffer's scale:
     consecutive rows share a document at most about ``N / buffer_size`` times as often as under
@@ -103,6 +104,12 @@ class TokenLoader(IterableDataset):
             self._store: Any = open_tokens(store_or_path)
         else:
             self._path, self._store = getattr(store_or_path, "path", None), store_or_path
+        if not self._store.complete:  # its unwritten rows hold fill values (NaN, document -1), not activations
+            written = int(self._store.features.valid.sum())
+            raise StoreError(
+                f"{self._store.path} is not complete ({written} of {len(self._store)} tokens written): run the same "
+                "extract_tokens again to finish it, then train on it"
+            )
         self._pid = os.getpid()
         self.layers = _check_layers(self._store, layers)
         self._rows = {layer: _row(self._store, layer) for layer in self.layers}  # (shape, dtype) of one row

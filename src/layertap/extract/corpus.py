@@ -3,14 +3,15 @@
 Accepted ``texts`` (see `layertap.extract_tokens`):
 
 - a list (or any sequence) of strings, or of token-id lists / arrays (already tokenized);
-- a dict ``{"input_ids": [...]}`` of already-tokenized documents;
-- a ``.txt`` file (one document per line), a ``.jsonl`` / ``.json`` file (records, or a list of
+- a dict ``{"input_ids": [...]}`` of already-tokenized documents (a tokenizer's ``BatchEncoding``
+  too), with the padding its ``"attention_mask"`` masks left out of each document;
+- a ``.txt`` file (one document per line: lines end at ``\n``, and a ``\r`` before it is dropped), a ``.jsonl`` / ``.json`` file (records, or a list of
   them), a ``.csv`` or a ``.parquet`` file, whose ``text_field`` column holds the text and
   ``id_field`` (optional) the ids;
 - a Hugging Face ``datasets.Dataset`` (in memory, or loaded from disk), by the same fields.
 
 Files are read as data only: JSON is parsed, CSV split, Parquet decoded by pyarrow; nothing in
-them is run. A document that is missing or not a string is kept as it is here and refused (or
+them is run. Text files are UTF-8 (a byte-order mark, as spreadsheet programs write, is dropped). A document that is missing or not a string is kept as it is here and refused (or
 skipped, with ``on_error="skip"``) when it is tokenized, naming its index.
 
 >>> corpus = read_corpus(["a cat", "a dog"])
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,23 @@ def _check_ids(ids: list, id_field: str, where: str) -> None:
         raise DataError(f"document {missing} of {where} has no {id_field!r} (a string or an integer): {ids[missing]!r}")
     seen: dict = {}
     for i, v in enumerate(ids):
-        if v in seen:
-            raise DataError(f"documents {seen[v]} and {i} of {where} have the same {id_field!r} {v!r}: ids must be unique")
-        seen[v] = i
+        key = str(v)  # 1 and "1" are one id once stored (the store keeps ids of mixed types as text)
+        if key in seen:
+            same = f"the same {id_field!r} {v!r}" if ids[seen[key]] == v else f"the {id_field!r}s {ids[seen[key]]!r} and {v!r}, one id as text"
+            raise DataError(f"documents {seen[key]} and {i} of {where} have {same}: ids must be unique")
+        seen[key] = i
+
+
+def _text(path: Path) -> str:
+    """A text file's content: UTF-8, a leading byte-order mark dropped."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start : e.start + 1]!r}): save it as UTF-8") from e
 
 
 def _json_rows(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
+    text = _text(path)
     if path.suffix == ".json":
         try:
             value = json.loads(text)
@@ -106,7 +117,7 @@ def _json_rows(path: Path) -> list:
             raise DataError(f"{path} holds a JSON {type(value).__name__}, not a list of records: give a list, or a .jsonl file")
         return value
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(_lines(text), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -115,14 +126,22 @@ def _json_rows(path: Path) -> list:
     return rows
 
 
+def _lines(text: str) -> list[str]:
+    """A file's lines, ended by ``\n`` alone (``str.splitlines`` also ends them at form feeds,
+    U+2028 and other separators inside a document), a ``\r`` before it dropped."""
+    lines = text.split("\n")
+    if lines[-1] == "":  # the end of the last line, not an empty document after it
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def _file(path: Path, text_field: str, id_field: str | None) -> tuple[list, list | None]:
     if path.suffix == ".txt":
-        return path.read_text(encoding="utf-8").splitlines(), None
+        return _lines(_text(path)), None
     if path.suffix in (".json", ".jsonl"):
         return _records(_json_rows(path), text_field, id_field, str(path))
     if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(_text(path).splitlines(keepends=True)))  # csv splits records itself; quoted newlines stay
         return _records(rows, text_field, id_field, str(path))
     pq = require("pyarrow.parquet", "text")
     table = pq.read_table(path)
@@ -140,6 +159,17 @@ def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str |
     return list(column(text_field)), ids
 
 
+def _unpadded(ids: Any, mask: Any) -> Any:
+    """Tokenized documents without the positions their ``attention_mask`` masks (the padding)."""
+    if mask is None:
+        return ids
+    rows, masks = list(ids), list(mask)
+    shapes = [(np.shape(i), np.shape(m)) for i, m in zip(rows, masks)]
+    if len(rows) != len(masks) or any(a != b or len(a) != 1 for a, b in shapes):
+        raise DataError("the attention_mask of the tokenized documents does not have the shape of their input_ids: give both as the tokenizer made them")
+    return [np.asarray(i)[np.asarray(m) != 0] for i, m in zip(rows, masks)]
+
+
 def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = None) -> Corpus:
     """The documents of ``texts`` (see the module's docstring), with their ids."""
     if isinstance(texts, (str, Path)):
@@ -155,10 +185,10 @@ def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = 
         if docs and _is_ids(docs[0]):
             return Corpus(docs, ids, f"a dataset of {len(docs)} tokenized documents", True)
         return Corpus(docs, ids, f"a dataset of {len(docs)} documents", False)
-    if isinstance(texts, dict):
+    if isinstance(texts, Mapping):  # a dict, or a tokenizer's BatchEncoding
         if "input_ids" not in texts:
             raise DataError(f"a dict of documents needs an 'input_ids' entry (it has {sorted(texts)}): or give a list of strings")
-        texts = texts["input_ids"]
+        texts = _unpadded(texts["input_ids"], texts.get("attention_mask"))
     if (hasattr(texts, "dim") and texts.dim() == 2) or (isinstance(texts, np.ndarray) and texts.ndim == 2):
         texts = list(texts)  # a [documents, tokens] array: its rows
     if not isinstance(texts, Sequence) and not isinstance(texts, np.ndarray):

@@ -149,7 +149,7 @@ def _token_ids(corpus: Corpus, tokenizer: Any, good: list[int], max_length: int,
         return ids, [_special_mask(tokenizer, i) for i in ids]
     if tokenizer is None:
         raise ArgumentError("texts are strings, so a tokenizer is needed: pass tokenizer=, or give token ids")
-    ids, special = [], []
+    ids = []
     for start in range(0, len(good), _BATCH):
         texts = [corpus.docs[i] for i in good[start : start + _BATCH]]
         out = tokenizer(
@@ -157,10 +157,10 @@ def _token_ids(corpus: Corpus, tokenizer: Any, good: list[int], max_length: int,
             add_special_tokens=not packing,
             truncation=not packing,
             max_length=limit,
-            return_special_tokens_mask=True,
             return_attention_mask=False,
             return_token_type_ids=False,
         )
         ids += [np.asarray(i, dtype=np.int64) for i in out["input_ids"]]
-        special += [np.asarray(s, dtype=bool) for s in out["special_tokens_mask"]]
-    return ids, special
+    # special by id, as for token ids given: the tokenizer's own special_tokens_mask marks only the
+    # tokens it added, not a [SEP] or [UNK] inside the text
+    return ids, [_special_mask(tokenizer, i) for i in ids]

@@ -10,7 +10,9 @@ The token policy picks the stored tokens of each unit (its *rows*, in position o
 - ``"real"`` / ``"all"``: every token of the unit. Padding is never part of a unit (layertap pads
   batches itself, and drops the positions an ``attention_mask`` of tokenized input masks), so
   the two are the same; both keep special tokens;
-- ``"no_special"``: drop the tokenizer's special tokens (BOS/CLS/SEP/EOS, ...);
+- ``"no_special"``: drop every token whose id is one of the tokenizer's special tokens
+  (``all_special_ids``: BOS/CLS/SEP/EOS, PAD, UNK, MASK and added ones), whether the text was
+  tokenized here or given as ids (the ``special_tokens_mask`` a function policy gets too);
 - ``"last"``: the last token of each document (with ``pack=True``, its separator);
 - a function ``(input_ids, attention_mask, special_tokens_mask) -> bool mask``, called once per
   unit with 1-D tensors of the unit's length.
@@ -87,13 +89,14 @@ class Units:
         return self.selected[unit]
 
     def digest(self) -> str:
-        """16 hex digits over every unit's tokens and stored positions: what the rows are of."""
+        """16 hex digits over every unit's tokens, their documents and stored positions: what the
+        rows are of (a packed context holds several documents: where each begins counts too)."""
         h = hashlib.sha256()
         for i, s, d in zip(self.ids, self.selected, self.docs):
             h.update(len(i).to_bytes(8, "little"))
             h.update(i.tobytes())
             h.update(s.tobytes())
-            h.update(d[:1].tobytes())
+            h.update(d.tobytes())
         return h.hexdigest()[:16]
 
 

@@ -1,0 +1,170 @@
+"""What extract_tokens reads and refuses: padded tokenized input, text files as a user's editor or
+spreadsheet writes them, ids, special tokens, arguments, reruns of packed corpora, and the loader
+over a store a run left unfinished.
+
+The reference is the store of the same documents given as a plain list of strings, which
+tests/test_tokens.py checks against each document run alone: the same batches, so bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tokens_models as tm
+import torch
+
+import layertap
+from layertap.errors import ArgumentError, DataError, StoreError
+
+TEXTS = tm.corpus(6)
+LAYERS = ["layers.0", "norm"]
+
+
+@pytest.fixture(scope="module")
+def llama(one_thread):
+    return tm.llama(), tm.minilm_tokenizer()  # the tokenizer pads on the left
+
+
+def run(llama, texts, out, **options) -> layertap.TokenStore:
+    model, tokenizer = llama
+    return layertap.extract_tokens(model, texts, LAYERS, out=out, **{"tokenizer": tokenizer, "batch_size": 4, "progress": False, **options})
+
+
+@pytest.fixture(scope="module")
+def base(llama, tmp_path_factory):
+    return run(llama, TEXTS, tmp_path_factory.mktemp("base") / "s.zarr")
+
+
+def same_store(store: layertap.TokenStore, base: layertap.TokenStore) -> None:
+    assert len(store) == len(base)
+    for key in ["token_ids", "docs", "positions"]:
+        assert np.array_equal(np.asarray(getattr(store, key)), np.asarray(getattr(base, key))), key
+    for key in LAYERS:
+        assert np.array_equal(np.asarray(store[key]), np.asarray(base[key])), key
+
+
+@pytest.mark.parametrize("form", ["dict", "BatchEncoding"])
+def test_padded_tokenized_input_stores_no_padding(llama, base, form, tmp_path):
+    """input_ids padded (on the left) with the attention_mask that masks the padding: the mask's
+    zeros are not tokens of the document."""
+    encoded = llama[1](TEXTS, padding=True)
+    assert any(0 in m for m in encoded["attention_mask"])  # padded indeed
+    texts = encoded if form == "BatchEncoding" else {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+    same_store(run(llama, texts, tmp_path / "s.zarr"), base)
+
+
+def test_a_mask_unlike_its_ids_is_refused(llama, tmp_path):
+    with pytest.raises(DataError, match="attention_mask .* does not have the shape of their input_ids"):
+        run(llama, {"input_ids": [[101, 7, 102]], "attention_mask": [[1, 1]]}, tmp_path / "s.zarr")
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".csv", ".jsonl"])
+def test_text_files_with_a_byte_order_mark_and_windows_line_ends(llama, base, suffix, tmp_path):
+    path = tmp_path / f"c{suffix}"
+    if suffix == ".txt":
+        body = "\r\n".join(TEXTS) + "\r\n"
+    elif suffix == ".csv":
+        body = "text\r\n" + "\r\n".join(TEXTS) + "\r\n"
+    else:
+        body = "\r\n".join(json.dumps({"text": t}) for t in TEXTS) + "\r\n"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())  # as spreadsheet programs and Notepad save
+    same_store(run(llama, path, tmp_path / "s.zarr"), base)
+
+
+def test_a_txt_file_is_one_document_per_newline(llama, tmp_path):
+    """Form feeds, vertical tabs, U+2028 and other separators str.splitlines() would cut at are
+    inside a line: each line is one document, as `wc -l` counts them."""
+    lines = ["a cat\x0csat on", "the mat\u2028today", "", "dogs\x1cran\x85far"]
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    store = run(llama, path, tmp_path / "s.zarr")
+    assert store.card["num_documents"] == len(lines)
+    docs, ids = np.asarray(store.docs), np.asarray(store.token_ids)
+    for d, line in enumerate(lines):
+        assert ids[docs == d].tolist() == llama[1](line)["input_ids"], d
+
+
+def test_a_file_that_is_not_utf8_is_a_one_line_error(llama, tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataError) as e:
+        run(llama, path, tmp_path / "s.zarr")
+    assert str(e.value) == f"{path} is not UTF-8 text (byte 3 is b'\\xe9'): save it as UTF-8"
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_ids_that_are_one_once_stored_as_text_are_refused(llama, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": TEXTS[0], "id": 1}) + "\n" + json.dumps({"text": TEXTS[1], "id": "1"}) + "\n")
+    with pytest.raises(DataError, match="documents 0 and 1 of .* have the 'id's 1 and '1', one id as text: ids must be unique"):
+        run(llama, path, tmp_path / "s.zarr", id_field="id")
+
+
+def test_no_special_drops_the_same_tokens_from_text_and_from_ids(llama, tmp_path):
+    """Special by id, whichever way the tokens came: a [MASK], [SEP] or unknown character inside a
+    text is one of the tokenizer's special tokens as much as the [CLS] it adds."""
+    tokenizer = llama[1]
+    texts = ["i \u2665 the [MASK] cat", "a [SEP] b \u4e00\u4e8c"]
+    from_text = run(llama, texts, tmp_path / "text.zarr", tokens="no_special")
+    from_ids = run(llama, [tokenizer(t)["input_ids"] for t in texts], tmp_path / "ids.zarr", tokens="no_special")
+    kept = np.asarray(from_text.token_ids)
+    assert kept.tolist() == np.asarray(from_ids.token_ids).tolist()
+    assert not set(kept.tolist()) & set(tokenizer.all_special_ids)
+    everything = [i for t in texts for i in tokenizer(t)["input_ids"]]
+    assert kept.tolist() == [i for i in everything if i not in tokenizer.all_special_ids]
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [(["alpha beta", None, "gamma delta"], ["alpha beta", "gamma delta", None]), (["a b [SEP] c", "d"], ["a b", "c [SEP] d"])],
+    ids=["another document skipped", "a separator moved into the next document"],
+)
+def test_a_packed_corpus_whose_documents_moved_is_not_resumed(llama, first, second, tmp_path):
+    """Packed contexts of the same tokens, cut into other documents: a rerun must not take the old
+    store's documents for the new corpus's."""
+    options = {"pack": True, "max_length": 16, "on_error": "skip"}
+    run(llama, first, tmp_path / "p.zarr", **options).close()
+    fresh = run(llama, second, tmp_path / "fresh.zarr", **options)
+    with pytest.raises(StoreError, match="was written with other settings: corpus"):
+        run(llama, second, tmp_path / "p.zarr", **options)
+    assert not np.array_equal(np.asarray(layertap.open_tokens(tmp_path / "p.zarr").docs), np.asarray(fresh.docs))
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"limit": -1}, {"limit": 0}, {"limit": True}, {"max_length": 0}, {"dtype": torch.int8}, {"dtype": "int64"}, {"on_error": "ignore"}],
+    ids=lambda o: f"{next(iter(o))}={next(iter(o.values()))!r}",
+)
+def test_arguments_are_checked_before_anything_is_written(llama, option, tmp_path):
+    with pytest.raises(ArgumentError) as e:
+        run(llama, TEXTS, tmp_path / "s.zarr", **option)
+    name = next(iter(option))
+    assert str(e.value).startswith(f"{name}=") and "\n" not in str(e.value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_the_loader_refuses_a_store_a_run_left_unfinished(llama, tmp_path):
+    """A run that stopped after some chunks: its unwritten rows hold fill values (NaN, document
+    -1), so training on them is refused, not served."""
+    model, _ = llama
+    calls = []
+
+    def fail_third(module, args, output):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the machine went away")
+
+    handle = model.layers[0].register_forward_hook(fail_third)
+    try:
+        with pytest.raises(layertap.LayertapError):
+            run(llama, tm.corpus(24), tmp_path / "s.zarr", chunk_size=16)
+    finally:
+        handle.remove()
+    with pytest.warns(UserWarning):
+        store = layertap.open_tokens(tmp_path / "s.zarr")
+    written = int(store.features.valid.sum())
+    assert not store.complete and 0 < written < len(store)
+    with pytest.raises(StoreError, match=f"is not complete \\({written} of {len(store)} tokens written\\): run the same extract_tokens again"):
+        layertap.TokenLoader(tmp_path / "s.zarr", batch_size=8)
