@@ -152,7 +152,10 @@ class Attention(Mapping[str, torch.Tensor]):
         chosen = selection(model, "" if layers is None else layers)
         if layers is None:
             modules = chosen.layers
-            names = [name for name, module in modules.items() if is_attention(name, module)]
+            found = [name for name, module in modules.items() if is_attention(name, module)]
+            # the innermost of nested ones: a wrapper (BertAttention around BertSelfAttention)
+            # computes none, and framing its ops would cost every call of its children a hook
+            names = [n for n in found if not any(o.startswith(f"{n}.") or (not n and o) for o in found)]
             if not names:
                 classes = sorted({type(m).__name__ for m in modules.values()})
                 raise LayerNotFoundError(
@@ -353,9 +356,10 @@ def attention(
 
     Args:
         layers: the attention modules (any `layertap.select` spec). ``None`` takes every
-            ``nn.MultiheadAttention`` and every module whose class name contains ``"Attention"``;
-            those whose own forward calls neither ``scaled_dot_product_attention`` nor ``softmax``
-            (a wrapper such as ``BertAttention``) record nothing.
+            ``nn.MultiheadAttention`` and every module whose class name contains ``"Attention"``
+            but holds none (the innermost: ``BertSelfAttention``, not the ``BertAttention``
+            wrapping it); a module whose own forward calls neither
+            ``scaled_dot_product_attention`` nor ``softmax`` records nothing.
         heads: ``"all"`` keeps ``[B, H, Q, K]``; ``"mean"`` or ``"max"`` fuse the heads to one.
         rows: ``"all"`` queries, ``"cls"`` query 0 only or ``"last"`` the last query only. When
             the model is called with a ``[B, T]`` ``attention_mask``, they are each sequence's

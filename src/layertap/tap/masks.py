@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,13 +75,27 @@ def _mask_of(args: tuple, kwargs: dict, at: int | None) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
+_POSITIONS: weakref.WeakKeyDictionary[type, int | None] = weakref.WeakKeyDictionary()
+
+
 def _position(model: nn.Module) -> int | None:
     """Where ``model(ids, mask)`` passes ``attention_mask`` positionally: its forward's parameter of
-    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None."""
+    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None; read once per class
+    (a tap entered batch after batch would read the signature each time)."""
+    own = "forward" in model.__dict__  # a forward set on the instance (an op tap's wrapper)
+    if not own and type(model) in _POSITIONS:
+        return _POSITIONS[type(model)]
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature Python can read
-        return None
+        parameters = []
+    at = _find(parameters)
+    if not own:
+        _POSITIONS[type(model)] = at
+    return at
+
+
+def _find(parameters: list[inspect.Parameter]) -> int | None:
     for i, p in enumerate(parameters):
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             return None
