@@ -372,3 +372,21 @@ def test_zoo_gradients_equal_the_two_clone_reference(arch, one_thread):
                 for a, b in zip(leaves, w):
                     scale = b.abs().max().item()
                     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, n=n, kind=kind: f"{arch} {n} {kind}: {m}")
+
+
+def test_grad_input_of_a_layer_fed_token_ids_says_its_input_carries_none():
+    """register_full_backward_hook gives grad_input (None,) for an Embedding: the backward reached
+    the layer (its grad is there), its integer input carries no gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    ids = torch.randint(0, 10, (2, 3))
+    seen = {}
+    handle = net[0].register_full_backward_hook(lambda m, grad_input, grad_output: seen.update(gi=grad_input))
+    net(ids).sum().backward()
+    handle.remove()
+    assert seen["gi"] == (None,)
+    with layertap.tap(net, "0", capture=("grad", "grad_input")) as t:
+        net(ids).sum().backward()
+    assert t.grads["0"].shape == (2, 3, 4)
+    with pytest.raises(layertap.LayerNotRunError, match="or its input carries none \\(token ids"):
+        t.grad_inputs["0"]

@@ -269,3 +269,19 @@ def test_a_spec_of_no_known_kind_is_one_line_naming_the_kinds(layers):
     with pytest.raises(ArgumentError, match=r"^layers must be a name, glob, regex, module class, predicate.*not \w+") as info:
         layertap.tap(nn.Linear(2, 2), layers)
     assert "\n" not in str(info.value)
+
+
+def test_a_second_path_of_a_shared_module_names_its_first():
+    """A module registered twice keeps its first name (named_modules()); its second path is named
+    for what it is, not "matches nothing"."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = self.a
+
+    with pytest.raises(LayerNotFoundError, match="^'b' is a second path of layer 'a': .* select 'a'$"):
+        layertap.tap(Shared(), "b")
+    with pytest.raises(LayerNotFoundError, match="^'c' matches no layer of the model"):
+        layertap.tap(Shared(), "c")

@@ -270,8 +270,15 @@ def _closest(spec: str, names: Iterable[str], n: int = 5) -> list[str]:
     return close[:n]
 
 
-def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model") -> LayerNotFoundError:
-    """The error for a spec that matched nothing, with the closest real names."""
+def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model", model: nn.Module | None = None) -> LayerNotFoundError:
+    """The error for a spec that matched nothing, with the closest real names (or, for a second
+    path of a module registered twice, its name)."""
+    shared = _first_name(spec, layers, model)
+    if shared is not None:
+        return LayerNotFoundError(
+            f"{_describe(spec)} is a second path of layer {shared!r}: a module registered at two paths keeps its first "
+            f"name, as named_modules() gives it: select {shared!r}"
+        )
     msg = f"{_describe(spec)} matches no layer of the {what}"
     if isinstance(spec, type):
         classes = sorted({type(m).__name__ for m in layers.values()})
@@ -282,6 +289,17 @@ def not_found(spec: Spec, layers: dict[str, nn.Module], what: str = "model") -> 
             msg += f". Closest names: {', '.join(close)}"
         msg += ". See every name with layertap.summary(model, example_input) or list(dict(model.named_modules()))"
     return LayerNotFoundError(msg)
+
+
+def _first_name(spec: Spec, layers: dict[str, nn.Module], model: nn.Module | None) -> str | None:
+    """The name ``layers`` knows a module by, where ``spec`` is another path to it (``self.b = self.a``)."""
+    if model is None or not isinstance(spec, str) or not spec or spec.startswith("re:"):
+        return None
+    try:
+        module = model.get_submodule(unescape(spec))
+    except AttributeError:
+        return None
+    return next((name for name, m in layers.items() if m is module), None)
 
 
 def _matcher(spec: ModuleSpec) -> Callable[[str, nn.Module], bool]:
@@ -477,7 +495,7 @@ def _resolve(model: nn.Module, walk: tuple[Mapping[str, _Layer], tuple[nn.Module
                 if name and (match(plain if pattern else name, module) or (pattern and raw != plain and match(raw, module)))
             }
         if not found:
-            raise not_found(spec, {name: layer.module for name, layer in index.items()})
+            raise not_found(spec, {name: layer.module for name, layer in index.items()}, model=model)
         return found
 
     chosen: set[str] = set()

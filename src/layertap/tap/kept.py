@@ -186,6 +186,8 @@ class Kept:
         if not self.stores[kind].has(layer):
             missing()
             when = "no backward reached it" if kind.startswith("grad") else "it did not run"
+            if kind == "grad_input":  # register_full_backward_hook's grad_input is None there too
+                when += ", or its input carries none (token ids, a tensor that does not require grad)"
             raise LayerNotRunError(
                 f"layer {layer!r} is tapped but has no {kind} yet: nothing was recorded since the "
                 f"tap started (or since clear()) because {when}. Check that the forward "
