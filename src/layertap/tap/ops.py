@@ -133,9 +133,16 @@ def op_name(func: Any) -> str:
     return name
 
 
+_PLAIN = (int, float, bool, str, torch.Size, torch.dtype, torch.device, type(None))  # never hold a tensor
+
+
 def returns_tensor(out: Any) -> bool:
-    """Whether an op's result holds a tensor (``size()``, ``dim()``, ``shape`` have nothing to tap)."""
-    return isinstance(out, torch.Tensor) or nested.first_tensor(out) is not None
+    """Whether an op's result holds a tensor (``size()``, ``dim()``, ``shape`` have nothing to tap).
+    Plain results are told at once: every op of a tapped module's forward asks, and a walk of
+    ``x.shape`` as a tree costs ten times the op."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return not isinstance(out, _PLAIN) and nested.first_tensor(out) is not None
 
 
 class _Frame:
@@ -254,10 +261,14 @@ class OpTaps:
         frame = self._thread.frames[-1]
         if frame is None or _HOOKS.running:  # inside a descendant's forward or a hook: not this module's op
             return func(*args, **kwargs)
-        op = op_name(func)
+        try:  # op_name's own cache, read here: every op of a framed forward passes
+            op = _OP_NAMES[func]
+        except (KeyError, TypeError):
+            op = op_name(func)
         count = frame.counts[op] = frame.counts.get(op, 0) + 1
-        hits = [name for name, call in frame.sites.get(op, ()) if call is None or call == count]
-        if not hits and not frame.star:
+        sites = frame.sites.get(op)
+        hits = [name for name, call in sites if call is None or call == count] if sites else []
+        if not hits and not frame.star:  # an op nobody taps: run it, note it
             out = func(*args, **kwargs)
             self._saw(frame.module, op, count, out)
             return out
