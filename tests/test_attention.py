@@ -697,3 +697,28 @@ def test_mha_attn_mask_equals_need_weights(mask):
     with torch.no_grad(), attention(module, "", heads="all") as att:
         module(x, x, x, attn_mask=attn_mask)
     close(att[""], expected)
+
+
+def test_kernel_eager_gradients_of_a_fully_masked_row_are_the_kernels():
+    """A query row every key of which a mask hides (left padding under a causal mask): its
+    probabilities are zero, and no NaN of its softmax reaches the gradients."""
+
+    class SelfAttention(nn.Module):
+        def forward(self, q, mask):
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    module = SelfAttention()
+    q = torch.randn(2, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    mask[0, :, :, :2] = False  # batch 0: its first two keys are padding, so query rows 0 and 1 see none
+    out = module(q, mask)
+    (out * torch.arange(8.0, dtype=torch.float64)).sum().backward()
+    expected_out, expected_grad = out.detach(), q.grad.clone()
+    q.grad = None
+    with attention(module, "", heads="all", kernel="eager") as att:
+        out = module(q, mask)
+        (out * torch.arange(8.0, dtype=torch.float64)).sum().backward()
+    assert torch.isfinite(q.grad).all()
+    torch.testing.assert_close(out.detach(), expected_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(q.grad, expected_grad, atol=1e-12, rtol=0)
+    assert att[""][0, :, :2].abs().sum() == 0

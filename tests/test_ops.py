@@ -399,3 +399,30 @@ def test_replace_takes_ops_only():
         layertap.tap(model, "lin", replace=lambda name, func, args, kwargs: func(*args, **kwargs))
     with pytest.raises(layertap.TapError, match="replace= needs named ops, not 'module:\\*'"):
         layertap.tap(model, ":*", replace=lambda name, func, args, kwargs: func(*args, **kwargs))
+
+
+@pytest.mark.parametrize("work", ["capture", "edit", "observe", "replace"])
+def test_a_taps_own_work_is_no_op_of_the_module_for_a_tap_entered_after_it(work):
+    """Two taps on one module: the inner one's copies, edit=, observe= and replace= functions run
+    torch functions of their own, which the other tap must not take for the module's ops."""
+    torch.manual_seed(0)
+    model, x = Gated().eval(), torch.randn(3, 6)
+    options = {
+        "capture": {},
+        "edit": {"edit": lambda name, out: torch.tanh(out)},
+        "observe": {"observe": lambda name, kind, call, value: value.abs().sum()},
+        "replace": {"replace": lambda name, func, args, kwargs: func(*args, **kwargs).clone()},
+    }[work]
+    with torch.no_grad(), layertap.tap(model, ":sigmoid", **options), layertap.tap(model, ":*") as every:
+        model(x)
+    # a replaced op is the replacing tap's business: a tap entered after it sees it no more
+    assert every.order == ([":mul#1"] if work == "replace" else [":sigmoid#1", ":mul#1"])
+
+
+def test_a_replaced_op_is_seen_by_the_taps_entered_before_the_one_that_replaces_it():
+    model, x = Gated().eval(), torch.randn(3, 6)
+    halve = {":sigmoid": lambda name, func, args, kwargs: func(*args, **kwargs) / 2}
+    with torch.no_grad(), layertap.tap(model, ":sigmoid") as seen, layertap.tap(model, "lin", replace=halve) as t:
+        model(x)
+    assert torch.equal(seen[":sigmoid"], torch.sigmoid(x) / 2)
+    assert torch.equal(t["lin"], model.lin(torch.sigmoid(x) / 2 * x))

@@ -155,6 +155,8 @@ def sdpa_rows(
         at = torch.arange(length, device=q.device)[rows] if isinstance(rows, slice) else rows.view(-1, *(1,) * (dims - 2))
         future = at[..., None] < torch.arange(keys, device=q.device)
         scores = scores.masked_fill_(future, -math.inf) if fresh else scores.masked_fill(future, -math.inf)
+    if hidden is not None and not fresh:  # a row of -inf alone: its softmax's NaN would reach the gradients
+        scores = scores.masked_fill(hidden, 0.0)
     weights = torch.softmax(scores, -1)
     if hidden is not None:  # rows every key of which is masked are zero, as PyTorch's kernels give
         weights = weights.masked_fill_(hidden, 0.0) if fresh else weights.masked_fill(hidden, 0.0)

@@ -56,7 +56,7 @@ from .copies import Copies
 from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
-from .ops import OpTaps, hidden, op_name, weak
+from .ops import OpTaps, hidden, op_name, shown, weak
 from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
 from .sharded import Sharded, whole
 
@@ -358,7 +358,7 @@ class Tap(Mapping):
             run = self._runs.get(name)
             if run is not None:
                 return run(name, func, args, kwargs)
-        return func(*args, **kwargs)
+        return shown(func, args, kwargs)
 
     def _op_inputs(self, tapped: list[str], module: nn.Module, single: bool, args: tuple, kwargs: dict, call: Call) -> tuple[tuple, dict]:
         """Capture the inputs of an op's call; returns its arguments, with gradient hooks for ``grad_input``."""

@@ -95,6 +95,17 @@ def hidden(hook: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def shown(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` run from inside an op hook as the module's own op, seen by the
+    op taps of other taps on the module (the hook's other work is hidden from them)."""
+    hooks = _HOOKS
+    running, hooks.running = hooks.running, 0
+    try:
+        return func(*args, **kwargs)
+    finally:
+        hooks.running = running
+
+
 def weak(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` of a tap, for a helper (and a hook) to call without keeping the tap alive.
 
@@ -275,9 +286,13 @@ class OpTaps:
         star = OpName(frame.module, op, count) if frame.star else None
         saw = functools.partial(self._saw, frame.module, op, count)
         outer, _CALL.value = _CALL.value, (func, args, kwargs)
+        # the hook's own work (captures, edit=, observe=, replace=) is no module's op for a tap
+        # entered after this one, whose mode sees what this one passes on: only the op is (`shown`)
+        _HOOKS.running += 1
         try:
             return self._hook(frame.module, hits, star, saw, func, args, kwargs)
         finally:
+            _HOOKS.running -= 1
             _CALL.value = outer
 
     def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
