@@ -722,3 +722,44 @@ def test_kernel_eager_gradients_of_a_fully_masked_row_are_the_kernels():
     torch.testing.assert_close(out.detach(), expected_out, atol=1e-12, rtol=0)
     torch.testing.assert_close(q.grad, expected_grad, atol=1e-12, rtol=0)
     assert att[""][0, :, :2].abs().sum() == 0
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """Counts the scaled_dot_product_attention calls that reach the kernel (entered around the
+    forward, below the collector's own mode: it sees what the collector passes on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.sdpa += func is F.scaled_dot_product_attention
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernel, calls", [("fused", 6), ("eager", 0)])
+def test_kernel_eager_runs_no_fused_kernel(minilm, kernel, calls):
+    inputs = tokens(30522, pad=True)
+    with torch.no_grad(), attention(minilm, kernel=kernel) as att, _Calls() as seen:
+        minilm(**inputs)
+    assert len(att) == 6 and seen.sdpa == calls
+
+
+def test_kernel_eager_carries_the_gradient_of_a_learned_mask():
+    """A bias that learns (a relative-position bias given as attn_mask), the query and key frozen."""
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(1, 2, 4, 4, dtype=torch.float64))
+
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=self.bias)
+
+    module, q = Biased(), torch.randn(2, 2, 4, 8, dtype=torch.float64)
+    module(q).pow(2).sum().backward()
+    expected = module.bias.grad.clone()
+    module.bias.grad = None
+    with attention(module, "", kernel="eager"):
+        module(q).pow(2).sum().backward()
+    torch.testing.assert_close(module.bias.grad, expected, atol=1e-12, rtol=0)

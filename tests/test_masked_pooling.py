@@ -286,3 +286,30 @@ def test_a_mask_given_positionally_counts(minilm, alone, side):
         feats = layertap.extract(model, (batch["input_ids"], batch["attention_mask"], None, batch["position_ids"]), list(MINILM_LAYERS), reduce=reduce)
         for name, want in minilm_reference(alone, [0, 1, 2], reduce).items():
             close(feats[name], want)
+
+
+def test_a_patched_forwards_mask_position_is_read_anew():
+    """The mask's position is read once per forward function: a class whose forward is patched
+    (as kernel libraries patch Hugging Face classes) is read again."""
+
+    class Tokens(nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return input_ids[..., None].float()
+
+    ids, mask = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    model = Tokens()
+    with layertap.tap(model, "", reduce="mean") as t:
+        model(ids, mask)
+    assert t[""].flatten().tolist() == [2.0, 4.5]
+
+    def patched(self, attention_mask, input_ids):  # the mask first now
+        return input_ids[..., None].float()
+
+    original = Tokens.forward
+    Tokens.forward = patched
+    try:
+        with layertap.tap(model, "", reduce="mean") as t:
+            model(mask, ids)
+    finally:
+        Tokens.forward = original
+    assert t[""].flatten().tolist() == [2.0, 4.5]

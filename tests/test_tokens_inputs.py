@@ -86,6 +86,37 @@ def test_a_txt_file_is_one_document_per_newline(llama, tmp_path):
         assert ids[docs == d].tolist() == llama[1](line)["input_ids"], d
 
 
+def test_a_csv_record_ends_at_its_line_end_only(llama, tmp_path):
+    """Python's csv writer and pandas leave a form feed or U+2028 unquoted: it stays in its field;
+    a quoted line break too."""
+    import csv
+
+    texts = ["a cat\x0csat on", "the mat\u2028today", "dogs ran\nfar away", "end"]
+    with open(tmp_path / "c.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text"])
+        writer.writerows([t] for t in texts)
+    store = run(llama, tmp_path / "c.csv", tmp_path / "s.zarr")
+    docs, ids = np.asarray(store.docs), np.asarray(store.token_ids)
+    assert store.card["num_documents"] == len(texts)
+    for d, text in enumerate(texts):
+        assert ids[docs == d].tolist() == llama[1](text)["input_ids"], d
+
+
+def test_one_documents_encoding_is_a_corpus_of_one(llama, base, tmp_path):
+    encoded = llama[1](TEXTS[0])  # tokenizer("text"): a list of ids, not a batch
+    store = run(llama, {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}, tmp_path / "s.zarr")
+    assert np.asarray(store.token_ids).tolist() == encoded["input_ids"]
+    alone = run(llama, [TEXTS[0]], tmp_path / "alone.zarr")
+    for key in LAYERS:
+        assert np.array_equal(np.asarray(store[key]), np.asarray(alone[key])), key
+
+
+def test_numpy_integers_are_counts(llama, base, tmp_path):
+    store = run(llama, TEXTS, tmp_path / "s.zarr", limit=np.int64(len(TEXTS)), max_length=np.int32(512))
+    same_store(store, base)
+
+
 def test_a_file_that_is_not_utf8_is_a_one_line_error(llama, tmp_path):
     path = tmp_path / "c.txt"
     path.write_bytes("caf\xe9 au lait\n".encode("latin-1"))

@@ -389,3 +389,33 @@ def test_a_models_own_code_does_not_refuse_its_tokenizer(tokenizer_folder):
 
     add_to_json(tokenizer_folder / "config.json", auto_map={"AutoModel": "modeling_custom.CustomModel"})
     assert read_tokenizer(tokenizer_folder)("a cat").input_ids[0] == 101  # [CLS]
+
+
+def test_no_hub_kernel_is_swapped_in_unless_trusted(vit_folder, monkeypatch):
+    """transformers 5 replaces layers by kernels fetched from the Hub on every load by default
+    (kernelize): code from outside the folder, imported. Not without --trust."""
+    import transformers.modeling_utils as modeling
+
+    calls = []
+    monkeypatch.setattr(modeling, "kernelize", lambda *args, **kwargs: calls.append(args), raising=False)
+    if not hasattr(modeling.PreTrainedModel, "set_use_kernels"):
+        pytest.skip("this transformers has no Hub kernels")  # older than 5: nothing to swap in
+    load_model(f"hf:{vit_folder}")
+    assert calls == []
+
+
+def test_a_tokenizer_config_nested_past_the_recursion_limit_is_one_line(tokenizer_folder):
+    from layertap.extract.tokenizer import read_tokenizer
+
+    (tokenizer_folder / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelLoadError) as refused:
+        read_tokenizer(tokenizer_folder)
+    assert "is not valid JSON" in one_line(refused.value)
+
+
+def test_a_hub_kernel_named_in_a_models_config_does_not_refuse_its_tokenizer(tokenizer_folder):
+    """AutoTokenizer loads no kernel: the model loader refuses it, the tokenizer is read."""
+    from layertap.extract.tokenizer import read_tokenizer
+
+    add_to_json(tokenizer_folder / "config.json", attn_implementation="some-org/some-kernel")
+    assert read_tokenizer(tokenizer_folder)("a cat").input_ids[0] == 101

@@ -113,7 +113,8 @@ def mask_terms_key(mask: torch.Tensor, rows: At, dtype: torch.dtype) -> tuple | 
     ``MaskTerms`` hold the mask alive, so its memory is not another mask's while they are kept."""
     if not isinstance(rows, slice) or mask.is_inference():  # an inference tensor has no version to tell a change by
         return None
-    return (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask.device, mask._version, rows.indices(1 << 62), dtype)
+    graded = mask.requires_grad and torch.is_grad_enabled()  # terms made under no_grad carry no gradient to the mask
+    return (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask.device, mask._version, rows.indices(1 << 62), dtype, graded)
 
 
 def sdpa_rows(
@@ -141,11 +142,12 @@ def sdpa_rows(
     factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
     # scaled and masked in place: each new [B, H, Q, K] tensor costs its memory and, on a CPU, its page faults
     scores = q @ k.transpose(-2, -1)
-    fresh = not scores.requires_grad  # in place, unless autograd records the steps
     hidden = None
-    if attn_mask is not None:
-        if terms is None:
-            terms = MaskTerms(materialize(attn_mask, query.device), rows, dims, dtype)
+    if attn_mask is not None and terms is None:
+        terms = MaskTerms(materialize(attn_mask, query.device), rows, dims, dtype)
+    # in place, unless autograd records the steps (for the query and key, or a mask that learns)
+    fresh = not (scores.requires_grad or (terms is not None and terms.bias.requires_grad))
+    if terms is not None:
         # bias + factor * scores in one pass; a mask broadcasts to the weights' shape (SDPA's own rule)
         scores = torch.add(terms.bias, scores, alpha=factor, out=scores) if fresh else torch.add(terms.bias, scores, alpha=factor)
         hidden = terms.hidden

@@ -2,8 +2,8 @@
 
 transformers runs code named in a folder's JSON: a model's or tokenizer's own modules
 (``auto_map``, with ``trust_remote_code=True``), and kernels downloaded from the Hub and imported
-(``"attn_implementation": "ORG/REPO"`` through the ``kernels`` package, whatever
-``trust_remote_code`` says). `names_code` finds either in a config dict and its sub-configs, so
+(``"attn_implementation": "ORG/REPO"`` through the ``kernels`` package, which asks no
+``trust_remote_code`` for the kernels of its own community repositories). `names_code` finds either in a config dict and its sub-configs, so
 that `layertap.load_model` and the token extraction's tokenizer reader refuse the folder unless
 the user trusts it.
 
@@ -25,15 +25,17 @@ _KERNEL_KEYS = ("attn_implementation", "_attn_implementation", "experts_implemen
 
 def names_code(config: Any, auto_map_for: str | None = None) -> str | None:
     """What code a config dict (or any of its sub-configs) names, in words, or None;
-    ``auto_map_for``: only an ``auto_map`` for that class counts (``"AutoTokenizer"`` in a model's
-    ``config.json``, whose own modeling code is the model loader's business)."""
+    ``auto_map_for``: only an ``auto_map`` for that class counts, and no kernel (``"AutoTokenizer"``
+    in a model's ``config.json``: its modeling code and kernels are the model loader's business)."""
     if not isinstance(config, dict):
         return None
     auto_map = config.get("auto_map")
     if "auto_map" in config and (auto_map_for is None or not isinstance(auto_map, dict) or auto_map_for in auto_map):
         return AUTO_MAP
     for key, value in config.items():
-        if key in _KERNEL_KEYS:  # one implementation, or one per sub-config {"": ..., "text_config": ...}
+        # one implementation, or one per sub-config {"": ..., "text_config": ...}; the underscored
+        # keys are transformers' own, which it does not read from JSON today: refused all the same
+        if key in _KERNEL_KEYS and auto_map_for is None:
             named = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
             kernels = [v for v in named if isinstance(v, str) and "/" in v]  # a Hub repo: ORG/REPO[@rev][:name]
             if kernels:
@@ -46,6 +48,10 @@ def names_code(config: Any, auto_map_for: str | None = None) -> str | None:
 
 def folder_names_code(folder: Path, name: str, auto_map_for: str | None = None) -> str | None:
     """What code the JSON file ``name`` of ``folder`` names, if it is there (see `names_code`);
-    raises ValueError or OSError for a file that is there but not valid JSON."""
+    raises ValueError or OSError for a file that is there but not valid JSON (or nested past
+    Python's recursion limit)."""
     path = folder / name
-    return names_code(json.loads(path.read_text()), auto_map_for) if path.is_file() else None
+    try:
+        return names_code(json.loads(path.read_text()), auto_map_for) if path.is_file() else None
+    except RecursionError as e:
+        raise ValueError(f"{name} is nested too deep to be a config") from e

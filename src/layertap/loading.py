@@ -332,9 +332,10 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
     code = names_code(transformers.PretrainedConfig.get_config_dict(path_or_name)[0])
     if not trust and code is not None:
         raise _custom_code(spec, code)
-    # trust_remote_code is always given: left None, transformers asks on stdin whether to run code
+    # trust_remote_code is always given: left None, transformers asks on stdin whether to run code;
+    # and unless trusted no Hub kernels (transformers 5 swaps layers for them by default: code fetched and imported)
     with _hf_refusals(spec):
-        model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust)
+        model = transformers.AutoModel.from_pretrained(path_or_name, trust_remote_code=trust, **({} if trust else {"use_kernels": False}))
     info = hf_info(model, spec)
     if info.kind == "vision":
         try:  # the model's own preprocessing, when it was saved with the model (custom code still refused)

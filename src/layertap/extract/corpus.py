@@ -22,6 +22,7 @@ skipped, with ``on_error="skip"``) when it is tokenized, naming its index.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def _file(path: Path, text_field: str, id_field: str | None) -> tuple[list, list
     if path.suffix in (".json", ".jsonl"):
         return _records(_json_rows(path), text_field, id_field, str(path))
     if path.suffix == ".csv":
-        rows = list(csv.DictReader(_text(path).splitlines(keepends=True)))  # csv splits records itself; quoted newlines stay
+        rows = list(csv.DictReader(io.StringIO(_text(path), newline="")))  # csv ends records itself, at \n and \r only
         return _records(rows, text_field, id_field, str(path))
     pq = require("pyarrow.parquet", "text")
     table = pq.read_table(path)
@@ -160,7 +161,12 @@ def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str |
 
 
 def _unpadded(ids: Any, mask: Any) -> Any:
-    """Tokenized documents without the positions their ``attention_mask`` masks (the padding)."""
+    """Tokenized documents without the positions their ``attention_mask`` masks (the padding); one
+    document's encoding (``tokenizer("text")``: a list of ids) is a corpus of one."""
+    if hasattr(ids, "cpu"):  # a tensor, on any device
+        ids, mask = ids.cpu().numpy(), None if mask is None else mask.cpu().numpy()
+    if len(ids) and np.ndim(ids[0]) == 0:  # one document, not a batch
+        ids, mask = [ids], None if mask is None else [mask]
     if mask is None:
         return ids
     rows, masks = list(ids), list(mask)

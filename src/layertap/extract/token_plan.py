@@ -154,14 +154,15 @@ def plan_tokens(
     if on_error not in ("fail", "skip"):
         raise ArgumentError(f"on_error={on_error!r} is not 'fail' (stop at a bad document) or 'skip' (leave it out, recorded)")
     for name, value in (("limit", limit), ("max_length", max_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
             raise ArgumentError(f"{name}={value!r} is not a whole number of at least 1: pass one, or None (every document; the model's longest input)")
     corpus = read_corpus(texts, text_field=text_field, id_field=id_field)
     if limit is not None:
+        limit = int(limit)
         corpus.docs, corpus.doc_ids = corpus.docs[:limit], None if corpus.doc_ids is None else corpus.doc_ids[:limit]
     if tokenizer is None and (not corpus.pretokenized or pack or tokens == "no_special"):
         tokenizer = default_tokenizer(model)
-    max_length = default_max_length(model, tokenizer) if max_length is None else max_length
+    max_length = default_max_length(model, tokenizer) if max_length is None else int(max_length)
     units = tokenize(corpus, tokenizer, max_length=max_length, pack_documents=pack, tokens=tokens, on_error=on_error)
     if units.num_rows == 0:
         raise DataError(f"no token of {corpus.description} is chosen by tokens={describe(tokens)!r}: nothing to store")

@@ -565,7 +565,8 @@ def tap(
             result (unless ``None``) replaces the output downstream, and is what is captured.
         replace: ``f(name, func, args, kwargs) -> result`` for every tapped op, or ``{op spec: f}``:
             called *in place of* the op (``func(*args, **kwargs)`` is not run unless ``f`` runs
-            it); what it returns is the op's result, then edited and captured as usual.
+            it; of several naming one call, the first); its result is the op's, then edited
+            and captured as usual.
         copy: ``True``, or specs of tapped layers, whose values are always copied rather than
             guarded, so that no in-place op can lose one (the cost: a copy per call).
         observe: ``f(name, kind, call, value)``, called inside the hook with each value as it

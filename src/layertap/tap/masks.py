@@ -33,6 +33,7 @@ they make a document's feature depend on its batch-mates. The mask comes from th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import weakref
@@ -75,23 +76,26 @@ def _mask_of(args: tuple, kwargs: dict, at: int | None) -> torch.Tensor | None:
     return mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-_POSITIONS: weakref.WeakKeyDictionary[type, int | None] = weakref.WeakKeyDictionary()
+_POSITIONS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
 
 def _position(model: nn.Module) -> int | None:
     """Where ``model(ids, mask)`` passes ``attention_mask`` positionally: its forward's parameter of
-    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None; read once per class
-    (a tap entered batch after batch would read the signature each time)."""
-    own = "forward" in model.__dict__  # a forward set on the instance (an op tap's wrapper)
-    if not own and type(model) in _POSITIONS:
-        return _POSITIONS[type(model)]
+    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None; read once per
+    forward function (a tap entered batch after batch would read the signature each time; a class
+    whose forward is patched gets the new one's)."""
+    forward = model.__dict__.get("forward") or type(model).forward  # an instance's own (an op tap's wrapper) first
+    try:
+        return _POSITIONS[forward]
+    except (KeyError, TypeError):
+        pass
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature Python can read
         parameters = []
     at = _find(parameters)
-    if not own:
-        _POSITIONS[type(model)] = at
+    with contextlib.suppress(TypeError):  # a callable that takes no weak reference: read each time
+        _POSITIONS[forward] = at
     return at
 
 
