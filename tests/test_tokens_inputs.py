@@ -199,3 +199,16 @@ def test_the_loader_refuses_a_store_a_run_left_unfinished(llama, tmp_path):
     assert not store.complete and 0 < written < len(store)
     with pytest.raises(StoreError, match=f"is not complete \\({written} of {len(store)} tokens written\\): run the same extract_tokens again"):
         layertap.TokenLoader(tmp_path / "s.zarr", batch_size=8)
+
+
+def test_a_bfloat16_model_is_stored_as_bfloat16_bits_by_default(llama, tmp_path):
+    """dtype=None keeps the model's own dtype: a bfloat16 model's rows are stored as bfloat16 (its
+    bits in int16, as dtype=torch.bfloat16 stores them), and the card says so."""
+    import copy
+
+    half = (copy.deepcopy(llama[0]).to(torch.bfloat16), llama[1])
+    store = run(half, TEXTS[:3], tmp_path / "none.zarr")
+    asked = run(half, TEXTS[:3], tmp_path / "asked.zarr", dtype=torch.bfloat16)
+    assert store.card["dtype"] == "bfloat16" and store.dtype == torch.bfloat16
+    for key in LAYERS:
+        assert torch.equal(store.read(key, 0, len(store)), asked.read(key, 0, len(asked))), key

@@ -149,6 +149,8 @@ def plan_tokens(
     which resolves them here)."""
     check_policy(tokens)
     stored = as_dtype(dtype)
+    if stored is None and any(p.dtype == torch.bfloat16 for p in model.parameters()):
+        stored = torch.bfloat16  # NumPy has no bfloat16: such activations are stored as their bits, said in the card
     if stored not in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ArgumentError(f"dtype={dtype!r} cannot hold activations: a token store keeps float16, bfloat16, float32 or float64 (or None, the model's own)")
     if on_error not in ("fail", "skip"):
