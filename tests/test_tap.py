@@ -881,3 +881,30 @@ def test_every_documented_option_of_tap_is_its_own_parameter_with_its_default():
     signature = inspect.signature(layertap.tap).parameters
     assert documented and set(documented) <= set(signature)
     assert {name for name, p in signature.items() if p.default is not inspect.Parameter.empty} <= set(documented)
+
+
+def test_a_write_through_data_after_the_layer_is_learned_and_copied():
+    """``h.data.clamp_(0)`` changes the network's tensor without its version counter: the forward
+    that learns the call position compares the copy with the tensor at its end, so the later
+    forwards copy the value too (a clone in a plain forward hook is the reference)."""
+
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.data.clamp_(min=0)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model, x = Clamped(), torch.randn(3, 4)
+    seen = []
+    handle = model.a.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    with torch.no_grad(), layertap.tap(model, "a", keep="all") as t:
+        for _ in range(3):
+            model(x)
+    handle.remove()
+    assert (seen[0] < 0).any()  # the write would change what was captured
+    assert len(t["a"]) == 3 and all(torch.equal(v, ref) for v, ref in zip(t["a"], seen))

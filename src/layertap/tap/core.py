@@ -452,7 +452,7 @@ class Tap(Mapping):
             out = transform(t)
             if not shares_memory(out, t):
                 return out
-            return copies.copy(out) if inplace.must_copy(t, out, kind, name, index, part, guards) else out
+            return inplace.copied(out, copies.copy(out)) if inplace.must_copy(t, out, kind, name, index, part, guards) else out
 
         self._kept.put(store, name, index, nested.map_leaves(keep, value), guards, part)
 

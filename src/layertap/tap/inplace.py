@@ -16,7 +16,9 @@
   no version counter, so there every shared value is copied, as for a call outside a forward of
   the tapped model (a submodule called on its own): run taps under ``torch.no_grad()`` to hold
   less memory. A write that bypasses the version counter (``h.data.clamp_(0)``, a NumPy view
-  written in place) cannot be seen by this: ``copy=`` is the way for such a layer.
+  written in place) is seen in the forward that learns a call position, by comparing the copy
+  with the network's tensor at its end (one read of each, once): the next forwards copy it. Such
+  a write that happens only in some forwards cannot be told from a guard: ``copy=`` is the way.
 
 `InPlace` holds one tap's share of this: what it learned (by kind, name and call position), the
 values it copied to learn from and the ones it guards in the running forward, and the call
@@ -57,7 +59,9 @@ class InPlace:
         # False: guard. What earlier taps learned about a call position of a module is reused: it
         # is a property of the model's code.
         self.learned: dict[Key, bool | None] = {}
-        self.pending: list[tuple[Key, torch.Tensor, int]] = []
+        # the call positions learned in the running forward: (key, the network's tensor, its
+        # version, the value captured of it, the copy kept of that value, once made)
+        self.pending: list[list] = []
         # the values guarded in the running forward: one changed by its end is copied from the next on
         self.guarded: list[tuple[torch.Tensor, int, Key]] = []
 
@@ -67,9 +71,13 @@ class InPlace:
 
     def forward_ended(self) -> None:
         """Learn what the forward that just ended changed in place."""
-        for key, original, version in self.pending:
+        for key, original, version, value, copy in self.pending:
             if self.learned.get(key) is not True:
-                self.learn(key, original._version != version)
+                # a write that bypasses the version counter (h.data.clamp_(0), a NumPy view) shows
+                # only in the values: compared once per call position, in the forward that learns it
+                plain = copy is not None and value.layout == torch.strided and not value.is_nested  # what torch.equal reads
+                bypassed = plain and not torch.equal(value, copy)
+                self.learn(key, original._version != version or bypassed)
         for kept, version, key in self.guarded:
             if kept._version != version:
                 self.learn(key, True)
@@ -111,6 +119,13 @@ class InPlace:
             self.guarded.append((out, out._version, key))
             return False
         if copy is None:
-            self.pending.append((key, t, t._version))
+            self.pending.append([key, t, t._version, out, None])
         return True
+
+    def copied(self, out: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        """``copy``, the copy `must_copy` asked for of ``out``; kept beside it to compare at the end
+        of a forward that learns its call position."""
+        if self.pending and self.pending[-1][3] is out:
+            self.pending[-1][4] = copy
+        return copy
 
