@@ -26,23 +26,25 @@ _KERNEL_KEYS = ("attn_implementation", "_attn_implementation", "experts_implemen
 def names_code(config: Any, auto_map_for: str | None = None) -> str | None:
     """What code a config dict (or any of its sub-configs) names, in words, or None;
     ``auto_map_for``: only an ``auto_map`` for that class counts, and no kernel (``"AutoTokenizer"``
-    in a model's ``config.json``: its modeling code and kernels are the model loader's business)."""
-    if not isinstance(config, dict):
-        return None
-    auto_map = config.get("auto_map")
-    if "auto_map" in config and (auto_map_for is None or not isinstance(auto_map, dict) or auto_map_for in auto_map):
-        return AUTO_MAP
-    for key, value in config.items():
-        # one implementation, or one per sub-config {"": ..., "text_config": ...}; the underscored
-        # keys are transformers' own, which it does not read from JSON today: refused all the same
-        if key in _KERNEL_KEYS and auto_map_for is None:
-            named = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
-            kernels = [v for v in named if isinstance(v, str) and "/" in v]  # a Hub repo: ORG/REPO[@rev][:name]
-            if kernels:
-                return f"a kernel from the Hugging Face Hub ({key}: {kernels[0]!r} in its config)"
-        found = names_code(value, auto_map_for)
-        if found is not None:
-            return found
+    in a model's ``config.json``: its modeling code and kernels are the model loader's business).
+    Walked with a stack, not recursion: a config from a file may nest as deep as JSON allows."""
+    stack = [config]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, dict):
+            continue
+        auto_map = current.get("auto_map")
+        if "auto_map" in current and (auto_map_for is None or not isinstance(auto_map, dict) or auto_map_for in auto_map):
+            return AUTO_MAP
+        for key, value in current.items():
+            # one implementation, or one per sub-config {"": ..., "text_config": ...}; the underscored
+            # keys are transformers' own, which it does not read from JSON today: refused all the same
+            if key in _KERNEL_KEYS and auto_map_for is None:
+                named = [value] if isinstance(value, str) else list(value.values()) if isinstance(value, dict) else []
+                kernels = [v for v in named if isinstance(v, str) and "/" in v]  # a Hub repo: ORG/REPO[@rev][:name]
+                if kernels:
+                    return f"a kernel from the Hugging Face Hub ({key}: {kernels[0]!r} in its config)"
+        stack.extend(reversed([v for v in current.values() if isinstance(v, dict)]))  # depth first, in key order
     return None
 
 
