@@ -317,3 +317,23 @@ def test_25_copy_from_the_same_memory_moves_nothing_and_the_version_can_be_set_b
     assert a._version == version
     (h * 2).sum().backward()  # the saved result passes its version check; the gradient runs through the ReLU
     torch.testing.assert_close(x.grad, 2.0 * (before > 0))
+
+
+def test_26_a_checkpoint_recomputes_its_modules_during_backward_where_a_graph_task_runs():
+    # how the tap tells a checkpoint's recomputation from a call (layertap/tap/recompute.py)
+    from torch.utils.checkpoint import checkpoint
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    tasks, grad_modes = [], []
+    net[0].register_forward_hook(lambda m, a, o: tasks.append(torch._C._current_graph_task_id()))
+    net[0].register_forward_pre_hook(lambda m, a: grad_modes.append(torch.is_grad_enabled()))
+    x = torch.randn(2, 3, requires_grad=True)
+    for reentrant in (False, True):
+        tasks.clear(), grad_modes.clear()
+        checkpoint(net, x, use_reentrant=reentrant).sum().backward()
+        assert tasks[0] == -1 and tasks[1] != -1 and len(tasks) == 2  # the forward, then its recomputation in the backward
+        # the reentrant first pass runs without autograd: there is no gradient to hook in it
+        assert grad_modes == [not reentrant, True]
+    tasks.clear()
+    net(x).sum().backward()
+    assert tasks == [-1]

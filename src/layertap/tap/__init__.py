@@ -16,6 +16,7 @@ Where each part lives (each file's docstring says how its mechanism works):
 - ``sharded.py``: a tensor-parallel model's values seen whole (``gather=``), edits split back;
 - ``ops.py``: op taps through a ``TorchFunctionMode``, and the thread-local in-hook count;
 - ``compiled.py``: compiled modules run eagerly while tapped.
+- ``recompute.py``: a checkpoint's recomputation in the backward is not a new call.
 """
 
 from .core import Tap, tap

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, TapError
 from . import masks
 
 Reduce = str | Callable[[torch.Tensor], torch.Tensor] | None
@@ -149,3 +149,16 @@ def make_transform(
         return t
 
     return transform
+
+
+def capture_failed(what: str, name: str, module: torch.nn.Module, exc: Exception) -> TapError:
+    """The error for the tap's own work failing inside a hook, e.g. a value it cannot rebuild."""
+    # under vmap/grad the layer sees wrapped tensors, which have no memory of their own to copy
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    fix = (
+        "it ran inside a torch.func transform (vmap, grad, jacrev...), whose tensors cannot leave it: "
+        "call the model outside the transform while it is tapped"
+        if peek is not None and peek() is not None
+        else "change to=, dtype= or reduce=, or tap another layer"
+    )
+    return TapError(f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); {fix}. {type(exc).__name__}: {exc}")

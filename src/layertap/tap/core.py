@@ -24,6 +24,7 @@ which says how it works):
   `layertap.tap.sharded`.
 - Ops inside a module's forward (``"layer1.0:add_"``), through a ``TorchFunctionMode``:
   `layertap.tap.ops`. Compiled modules run eagerly while tapped: `layertap.tap.compiled`.
+- A checkpoint's recomputation during backward is not a new call: `layertap.tap.recompute`.
 - The tap's own work inside a hook that fails (a value it cannot rebuild or move) raises a
   `TapError` naming the layer, with the original error chained.
 
@@ -51,13 +52,14 @@ from ..errors import LayerNotFoundError, LayertapError, TapError
 from ..select import Layers, OpName, Selection, not_found, selection
 from . import masks
 from .compiled import eager
-from .controls import DType, Reduce, make_transform, shares_memory
+from .controls import DType, Reduce, capture_failed, make_transform, shares_memory
 from .copies import Copies
 from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
 from .ops import OpTaps, hidden, op_name, shown, weak
 from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
+from .recompute import recomputing
 from .sharded import Sharded, whole
 
 
@@ -67,19 +69,6 @@ class _StopForward(Exception):
     def __init__(self, tap: Tap) -> None:
         super().__init__("layertap stopped the forward after the last tapped layer")
         self.tap = tap
-
-
-def _capture_failed(what: str, name: str, module: nn.Module, exc: Exception) -> TapError:
-    """The error for the tap's own work failing inside a hook, e.g. a value it cannot rebuild."""
-    # under vmap/grad the layer sees wrapped tensors, which have no memory of their own to copy
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    fix = (
-        "it ran inside a torch.func transform (vmap, grad, jacrev...), whose tensors cannot leave it: "
-        "call the model outside the transform while it is tapped"
-        if peek is not None and peek() is not None
-        else "change to=, dtype= or reduce=, or tap another layer"
-    )
-    return TapError(f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); {fix}. {type(exc).__name__}: {exc}")
 
 
 class Tap(Mapping):
@@ -221,6 +210,8 @@ class Tap(Mapping):
             handles += masks.watch(root)
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if recomputing():  # a checkpoint's recomputation of the model: no new forward (recompute.py)
+            return
         self._fired.clear()
         self._copies.forward_started()
         self._inplace.forward_started(self._calls)
@@ -228,6 +219,8 @@ class Tap(Mapping):
         self._grads.open.clear()  # calls a raising forward left open
 
     def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if recomputing():
+            return
         self._inplace.forward_ended()
         self._kept.forward_ended(self._calls)
 
@@ -237,6 +230,8 @@ class Tap(Mapping):
         grads, sharded = self._want_grads, self._sharded
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+            if recomputing():  # a checkpoint's recomputation: nothing taken, nothing counted (recompute.py)
+                return None
             if name not in self._order:
                 self._order[name] = None
             if not (want_inputs or grads):
@@ -266,7 +261,8 @@ class Tap(Mapping):
         grads, sharded = tapped and self._want_grads, self._sharded
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            call = self._grads.closed(name, module) if grads else None  # the call its pre-hook opened
+            again = recomputing()  # a checkpoint's recomputation: only the edit runs again (recompute.py)
+            call = self._grads.closed(name, module) if grads and not again else None  # the call its pre-hook opened
             part = None if sharded is None else sharded.part(name, module, args, output)
             if part is not None:  # a rank's plain part: the tap works on the DTensor it is part of
                 output = part.wrap(output)
@@ -275,7 +271,7 @@ class Tap(Mapping):
             new = edit(name, output) if edit is not None else None
             if new is not None:
                 output = new
-            if counts:
+            if counts and not again:
                 taken = self._take_output(name, module, output, self._replica(module, name, output), call)
                 if taken is not output:
                     new = taken
@@ -298,7 +294,7 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:  # costs nothing unless raised
-            raise _capture_failed("input", name, module, e) from e
+            raise capture_failed("input", name, module, e) from e
         if self._only_inputs:
             self._fire(name)
         return value
@@ -315,13 +311,15 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:
-            raise _capture_failed("output", name, module, e) from e
+            raise capture_failed("output", name, module, e) from e
         self._fire(name)
         return output
 
     def _op_hook(self, owner: str, hits: list[str], star: OpName | None, saw: Callable[[Any], bool], func: Any, args: tuple, kwargs: dict) -> Any:
         """One call of a tapped op, or of any op of a module tapped whole (``star``), inside its
         module's forward (see `layertap.tap.ops`): captured as a module's call would be."""
+        if recomputing():  # a checkpoint's recomputation: the op runs (or is replaced) and is edited again, nothing taken
+            return self._edited(hits, self._run(hits, func, args, kwargs))
         tapped = [name for name in hits if name in self._tapped]
         module = self._modules[owner]
         # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)
@@ -384,7 +382,7 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:
-            raise _capture_failed("input", name, module, e) from e
+            raise capture_failed("input", name, module, e) from e
 
     def _found(self, name: str, site: OpName, module: nn.Module, value: Any, call: Call, index: int, grads: Gradients | None) -> None:
         """A call of an op of a module tapped whole (``"module:*"``) that returned a tensor: tapped from now on."""

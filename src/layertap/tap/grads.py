@@ -178,8 +178,10 @@ class Grads:
         ``keep='all'`` entry itself."""
         if not torch.is_grad_enabled():
             raise TapError(
-                f"capture={kind!r} needs autograd, but layer {name!r} ran under torch.no_grad() or "
-                "torch.inference_mode(): run the forward without them"
+                f"capture={kind!r} needs autograd, but layer {name!r} ran without it: under torch.no_grad(), "
+                "torch.inference_mode(), or in the first pass of a checkpoint with use_reentrant=True: run the forward "
+                "with autograd, and checkpoint with use_reentrant=False (Hugging Face's default; older versions took "
+                "gradient_checkpointing_kwargs={'use_reentrant': False})"
             )
         observe = self._observe
         if observe is None and not wanted:
