@@ -313,3 +313,117 @@ def test_a_patched_forwards_mask_position_is_read_anew():
     finally:
         Tokens.forward = original
     assert t[""].flatten().tolist() == [2.0, 4.5]
+
+
+# ------------------------------------------------------------------ several token streams
+def bart():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BartModel(config).eval()
+
+
+def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+
+
+def first(output):
+    """A layer's hidden states: its output, or the first tensor of a tuple (as the tap reduces it)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def cloned(model: nn.Module, layers: list[str], **kwargs) -> dict[str, torch.Tensor]:
+    """The reference: each layer's hidden states cloned by a plain forward hook."""
+    seen = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, first(o).clone())) for n in layers]
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_an_encoder_decoders_decoder_is_pooled_under_its_own_mask_not_the_encoders():
+    """The encoder's mask is [2, 6] and so is the decoder's stream: each layer is pooled under
+    the mask of its own stack (the decoder's: none, then decoder_attention_mask)."""
+    model = bart()
+    ids = torch.randint(3, 100, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    ids[1, 3:] = 1
+    decoder_ids = torch.randint(3, 100, (2, 6))
+    decoder_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    layers = ["encoder.layers.1", "decoder.layers.1"]
+    for given in (None, decoder_mask):
+        kwargs = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids, "decoder_attention_mask": given}
+        seen = cloned(model, layers, **kwargs)
+        with torch.no_grad(), layertap.tap(model, layers, reduce="mean") as t:
+            model(**kwargs)
+        close(first(t["encoder.layers.1"]), masked_mean(seen["encoder.layers.1"], mask))
+        want = seen["decoder.layers.1"].mean(1) if given is None else masked_mean(seen["decoder.layers.1"], given)
+        close(first(t["decoder.layers.1"]), want)
+
+
+def test_attention_rows_last_of_a_decoder_is_its_own_last_token():
+    import copy
+
+    from layertap.attention import attention
+
+    model = bart()
+    ids = torch.randint(3, 100, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    decoder_ids = torch.randint(3, 100, (2, 6))
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, output_attentions=True)
+        with attention(model, ["decoder.layers.0.self_attn", "encoder.layers.0.self_attn"], heads="all", rows="last") as att:
+            model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+    close(att["decoder.layers.0.self_attn"][:, :, 0], want.decoder_attentions[0][:, :, -1])  # no decoder mask: row 5
+    encoder = want.encoder_attentions[0]
+    close(att["encoder.layers.0.self_attn"][:, :, 0], torch.stack([encoder[0, :, 5], encoder[1, :, 2]]))  # the last real token
+
+
+def test_a_vision_tower_is_not_pooled_under_the_texts_mask():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.CLIPConfig(
+        text_config={"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                     "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 32,
+                       "patch_size": 16},
+        projection_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CLIPModel(config).eval()
+    ids, mask = torch.randint(3, 100, (2, 5)), torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])  # 5 text tokens, 1 + 2 x 2 image tokens
+    pixels = torch.randn(2, 3, 32, 32)
+    layers = ["vision_model.encoder.layers.0", "text_model.encoder.layers.0"]
+    seen = cloned(model, layers, input_ids=ids, attention_mask=mask, pixel_values=pixels)
+    with torch.no_grad(), layertap.tap(model, layers, reduce="mean") as t:
+        model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+    close(first(t["vision_model.encoder.layers.0"]), seen["vision_model.encoder.layers.0"].mean(1))
+    close(first(t["text_model.encoder.layers.0"]), masked_mean(seen["text_model.encoder.layers.0"], mask))
+
+
+def test_a_module_given_a_4d_mask_leaves_the_callers_mask_in_force():
+    class Layer(nn.Module):
+        def forward(self, hidden, attention_mask=None):  # a 4-D mask made for attention
+            assert attention_mask is not None and attention_mask.dim() == 4
+            return hidden * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer()
+
+        def forward(self, input_ids, attention_mask):
+            return self.layer(input_ids[..., None].float(), attention_mask=attention_mask[:, None, None, :])
+
+    ids, mask = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with layertap.tap(Model(), "layer", reduce="mean") as t:
+        t.model(ids, mask)
+    assert t["layer"].flatten().tolist() == [4.0, 9.0]

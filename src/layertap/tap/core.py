@@ -113,7 +113,8 @@ class Tap(Mapping):
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
         gather = None if sharded is None else lambda t: whole(t, options.gather)
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
-        self._masks = options.reduce is not None or self._observe is not None  # who may read the call's mask (masks.py)
+        # who may read the call's mask, and the modules whose own mask it may be (masks.py)
+        self._masks = masks.around(model, self._modules.values()) if options.reduce is not None or self._observe is not None else None
         self._grads = Grads(self._transform, self._observe, self.keep, weak(self._put_grads))
         self._copies = Copies()
         # only a tap that may keep a tensor of the network's own learns about in-place ops: a reduction always makes a fresh one
@@ -206,8 +207,8 @@ class Tap(Mapping):
         if self._sharded is not None:
             self._sharded.register(handles)
         # the call's attention_mask for the reductions, until the root's own hook has run: hooked last
-        if self._masks:
-            handles += masks.watch(root)
+        if self._masks is not None:
+            handles += masks.watch(root, self._masks)
 
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if recomputing():  # a checkpoint's recomputation of the model: no new forward (recompute.py)

@@ -6,9 +6,15 @@ they make a document's feature depend on its batch-mates. The mask comes from th
 - `watch` hooks the tapped model for a tap's lifetime (``model.module`` of an
   ``nn.DataParallel``, whose replicas run its hooks, each in a thread of its own, on their part
   of the batch): while a call runs, its ``attention_mask`` (a keyword, the positional argument of
-  the forward's parameter of that name, or an entry of a dict given as the first argument) is the running mask of the thread that runs it. The state is per thread,
-  so a model run by several threads at once has one mask per call. Calls nest (a tapped model
-  inside another tapped one): the innermost mask that fits is used.
+  the forward's parameter of that name, or an entry of a dict given as the first argument) is
+  the running mask of the thread that runs it. The state is per thread, so a model run by
+  several threads at once has one mask per call.
+- A model may hold several token streams: an encoder-decoder's decoder, CLIP's vision tower,
+  with their own lengths, often equal to the text's. So the modules on the way from the model to
+  each tapped layer whose forward takes an ``attention_mask`` are hooked too, and the innermost
+  running call that was given one decides: a ``[B, T]`` mask, or none (BART's decoder called
+  with ``attention_mask=None``, CLIP's vision encoder). A 4-D mask, made for attention from the
+  2-D one, decides nothing: the caller's mask still holds. Cost: two hooks on each such module.
 - `real_tokens(batch, length)` is the running mask as booleans if it is ``[batch, length]``, else
   None: only a 2-D mask of exactly that shape counts, so a vision model, a pooled output or a
   sequence the model lengthened (a prepended token) are reduced as before. A nonzero entry is a
@@ -37,8 +43,8 @@ import contextlib
 import inspect
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,17 +54,18 @@ from .ops import hidden
 
 
 class _Call:
-    """One running call of a watched model: its mask as given, and as booleans once asked for."""
+    """One running call of a watched module: whether it decides the mask (given ``attention_mask``,
+    or ``None`` for none), the mask as given, and as booleans once asked for."""
 
-    __slots__ = ("given", "owner", "real")
+    __slots__ = ("decides", "given", "owner", "real")
 
-    def __init__(self, owner: _Watch, given: torch.Tensor | None) -> None:
-        self.owner, self.given = owner, given
+    def __init__(self, owner: _Watch, decides: bool, given: torch.Tensor | None) -> None:
+        self.owner, self.decides, self.given = owner, decides, given
         self.real: torch.Tensor | None = None
 
 
 class _Running(threading.local):
-    """This thread's running calls of watched models, innermost last."""
+    """This thread's running calls of watched modules, innermost last."""
 
     def __init__(self) -> None:
         self.calls: list[_Call] = []
@@ -67,55 +74,74 @@ class _Running(threading.local):
 _RUNNING = _Running()
 
 
-def _mask_of(args: tuple, kwargs: dict, at: int | None) -> torch.Tensor | None:
-    mask = kwargs.get("attention_mask")
-    if mask is None and at is not None and len(args) > at:
-        mask = args[at]
-    if mask is None and args and isinstance(args[0], Mapping):
-        mask = args[0].get("attention_mask")
-    return mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+class _Parameter(NamedTuple):
+    """How a forward takes ``attention_mask``: its position (None: not positionally), whether it
+    names the parameter, and whether ``**kwargs`` may carry it."""
+
+    at: int | None
+    named: bool
+    var_keyword: bool
 
 
-_POSITIONS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+_NONE = _Parameter(None, False, False)
+_PARAMETERS: weakref.WeakKeyDictionary[Any, _Parameter] = weakref.WeakKeyDictionary()
 
 
-def _position(model: nn.Module) -> int | None:
-    """Where ``model(ids, mask)`` passes ``attention_mask`` positionally: its forward's parameter of
-    that name (``BertModel.forward(input_ids, attention_mask, ...)``), or None; read once per
-    forward function (a tap entered batch after batch would read the signature each time; a class
-    whose forward is patched gets the new one's)."""
-    forward = model.__dict__.get("forward") or type(model).forward  # an instance's own (an op tap's wrapper) first
+def _parameter(module: nn.Module) -> _Parameter:
+    """How ``module``'s forward takes ``attention_mask`` (``BertModel.forward(input_ids,
+    attention_mask, ...)``: position 1); read once per forward function (a tap entered batch after
+    batch would read the signature each time; a class whose forward is patched gets the new one's)."""
+    forward = module.__dict__.get("forward") or type(module).forward  # an instance's own (an op tap's wrapper) first
     try:
-        return _POSITIONS[forward]
+        return _PARAMETERS[forward]
     except (KeyError, TypeError):
         pass
     try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        parameters = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):  # a forward without a signature Python can read
         parameters = []
-    at = _find(parameters)
-    with contextlib.suppress(TypeError):  # a callable that takes no weak reference: read each time
-        _POSITIONS[forward] = at
-    return at
-
-
-def _find(parameters: list[inspect.Parameter]) -> int | None:
+    found = _NONE
     for i, p in enumerate(parameters):
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return None
-        if p.name == "attention_mask":
-            return i
-    return None
+        if p.name == "attention_mask" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            positional = p.kind != p.KEYWORD_ONLY and all(q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD) for q in parameters[:i])
+            found = found._replace(at=i if positional else None, named=True)
+        elif p.kind == p.VAR_KEYWORD:
+            found = found._replace(var_keyword=True)
+    with contextlib.suppress(TypeError):  # a callable that takes no weak reference: read each time
+        _PARAMETERS[forward] = found
+    return found
+
+
+_UNSET = object()
+
+
+def _decision(args: tuple, kwargs: dict, parameter: _Parameter, root: bool) -> tuple[bool, torch.Tensor | None]:
+    """Whether a call decides the running mask, and the ``[B, T]`` mask it gives (None: none).
+    A 4-D mask (made for attention from the 2-D one) decides nothing: the caller's mask still
+    holds for the tokens; so does a ``**kwargs`` forward called without one."""
+    mask: Any = kwargs.get("attention_mask", _UNSET)
+    if mask is _UNSET and parameter.at is not None and len(args) > parameter.at:
+        mask = args[parameter.at]
+    if mask is _UNSET and root and args and isinstance(args[0], Mapping):
+        mask = args[0].get("attention_mask", _UNSET)
+    if mask is _UNSET:
+        if not (root or parameter.named):
+            return False, None
+        mask = None  # the parameter's default: called without a mask
+    if mask is None:
+        return True, None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return True, mask
+    return False, None
 
 
 class _Watch:
-    """The hooks of one tap on its model. A ``KeyboardInterrupt`` skips the end hook (``always_call``
-    covers ``Exception`` only), so a call may stay behind: it counts only while its watch is still
-    hooked, and the watch's next call drops it."""
+    """The hooks of one tap on its model and the modules around its layers. A ``KeyboardInterrupt``
+    skips the end hooks (``always_call`` covers ``Exception`` only), so calls may stay behind: they
+    count only while the watch is still hooked, and its model's next call drops them."""
 
-    def __init__(self, at: int | None) -> None:
-        self.handle: RemovableHandle | None = None
-        self.at = at  # the position of the forward's attention_mask parameter
+    def __init__(self) -> None:
+        self.handle: RemovableHandle | None = None  # of the model's start hook
 
     def hooked(self) -> bool:
         handle = self.handle
@@ -124,10 +150,19 @@ class _Watch:
         hooks = handle.hooks_dict_ref()
         return hooks is not None and handle.id in hooks
 
-    def started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls = _RUNNING.calls
-        calls[:] = [c for c in calls if c.owner is not self and c.owner.hooked()]  # calls left behind
-        calls.append(_Call(self, _mask_of(args, kwargs, self.at)))
+    def hook(self, module: nn.Module, root: bool) -> list[RemovableHandle]:
+        parameter = _parameter(module)
+
+        def started(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            calls = _RUNNING.calls
+            if root:
+                calls[:] = [c for c in calls if c.owner is not self and c.owner.hooked()]  # calls left behind
+            calls.append(_Call(self, *_decision(args, kwargs, parameter, root)))
+
+        start = module.register_forward_pre_hook(hidden(started), with_kwargs=True, prepend=True)
+        if root:
+            self.handle = start
+        return [start, module.register_forward_hook(hidden(self.ended), always_call=True)]
 
     def ended(self, module: nn.Module, args: tuple, output: Any) -> None:
         calls = _RUNNING.calls
@@ -137,25 +172,52 @@ class _Watch:
                 return
 
 
-def watch(model: nn.Module) -> list[RemovableHandle]:
-    """Hooks that make each call's ``attention_mask`` the running mask while the call runs.
+def _target(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.DataParallel) else model
 
-    Register them after the tap's own hooks on ``model``: the mask is then running from before the
-    first of them to after the last (a tapped root's input and output are reduced under it).
+
+def around(model: nn.Module, inner: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules below ``model`` on the way to each of ``inner`` (the tapped layers, the ops'
+    owners), those included, whose forward may be given an ``attention_mask``: found once per tap."""
+    root, targets = _target(model), {id(m) for m in inner}
+    found: dict[int, nn.Module] = {}
+    stack: list[tuple[nn.Module, tuple[nn.Module, ...]]] = [(root, ())]
+    seen: set[int] = set()
+    while stack:
+        module, path = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if id(module) in targets:
+            found.update((id(m), m) for m in (*path, module))
+        stack.extend((child, (*path, child)) for child in module._modules.values() if child is not None)
+    found.pop(id(root), None)
+    return [m for m in found.values() if _parameter(m).named or _parameter(m).var_keyword]
+
+
+def watch(model: nn.Module, inner: list[nn.Module]) -> list[RemovableHandle]:
+    """Hooks that make a call's ``attention_mask`` the running mask while the call runs: the
+    model's, and that of each of ``inner`` (`around`).
+
+    Register them after the tap's own hooks: the mask is then running from before the first of
+    them to after the last (a tapped module's input and output are reduced under its own mask).
     """
-    target = model.module if isinstance(model, nn.DataParallel) else model
-    watcher = _Watch(_position(target))
-    watcher.handle = target.register_forward_pre_hook(hidden(watcher.started), with_kwargs=True, prepend=True)
-    return [watcher.handle, target.register_forward_hook(hidden(watcher.ended), always_call=True)]
+    watcher = _Watch()
+    handles = watcher.hook(_target(model), root=True)
+    for module in inner:
+        handles += watcher.hook(module, root=False)
+    return handles
 
 
 def real_tokens(batch: int, length: int) -> torch.Tensor | None:
-    """The running mask as a bool ``[batch, length]`` tensor, if the innermost call with a mask of
-    that shape has one; else None."""
+    """The running mask as a bool ``[batch, length]`` tensor: that of the innermost running call
+    that decides one, if it has that shape; else None."""
     for call in reversed(_RUNNING.calls):
-        given = call.given
-        if given is None or given.shape != (batch, length) or not call.owner.hooked():
+        if not call.decides or not call.owner.hooked():
             continue
+        given = call.given
+        if given is None or given.shape != (batch, length):
+            return None
         if call.real is None:
             call.real = given if given.dtype == torch.bool else given != 0
         return call.real
