@@ -11,6 +11,8 @@ autograd differentiates the score with respect to the outer clones, which only t
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torchvision
@@ -390,3 +392,41 @@ def test_grad_input_of_a_layer_fed_token_ids_says_its_input_carries_none():
     assert t.grads["0"].shape == (2, 3, 4)
     with pytest.raises(layertap.LayerNotRunError, match="or its input carries none \\(token ids"):
         t.grad_inputs["0"]
+
+
+class PassedOn(nn.Module):
+    """An eval Dropout passes its input on; ReLU(inplace=True) changes it; the residual reads it again."""
+
+    def __init__(self, middle: nn.Module) -> None:
+        super().__init__()
+        self.a, self.middle, self.act, self.b = nn.Linear(8, 8), middle, nn.ReLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.act(self.middle(h))) + h
+
+
+@pytest.mark.parametrize("capture", ["grad", "grad_input"])
+@pytest.mark.parametrize("middle", [nn.Dropout(0.5), nn.Flatten(1)], ids=["returns-its-input", "returns-a-view"])
+def test_an_in_place_op_on_a_passed_on_input_is_warned_of(middle, capture):
+    # the one case the aliases cannot keep exact (docs/correctness.md): the model's own gradients
+    # differ while tapped, and the tap says so, naming the layer
+    torch.manual_seed(0)
+    model, x = PassedOn(middle).eval(), torch.randn(4, 8)
+    model(x).pow(2).sum().backward()
+    expected = model.a.weight.grad.clone()
+    model.zero_grad()
+    with pytest.warns(UserWarning, match=r"layer 'middle' returned \(a view of\) its input.*in place"):
+        with layertap.tap(model, "middle", capture=capture):
+            model(x).pow(2).sum().backward()
+    assert not torch.allclose(model.a.weight.grad, expected)  # what the warning is about
+    model.act.inplace = False  # no in-place op after it: nothing to warn of, the same gradients
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    expected = model.a.weight.grad.clone()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with layertap.tap(model, "middle", capture=capture):
+            model(x).pow(2).sum().backward()
+    torch.testing.assert_close(model.a.weight.grad, expected)

@@ -217,13 +217,14 @@ class Tap(Mapping):
         self._copies.forward_started()
         self._inplace.forward_started(self._calls)
         self._kept.forward_started(self._calls)
-        self._grads.open.clear()  # calls a raising forward left open
+        self._grads.forward_started()
 
     def _on_root_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if recomputing():
             return
         self._inplace.forward_ended()
         self._kept.forward_ended(self._calls)
+        self._grads.forward_ended()
 
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
@@ -263,7 +264,7 @@ class Tap(Mapping):
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             again = recomputing()  # a checkpoint's recomputation: only the edit runs again (recompute.py)
-            call = self._grads.closed(name, module) if grads and not again else None  # the call its pre-hook opened
+            call = self._grads.closed(name, module, output) if grads and not again else None  # the call its pre-hook opened
             part = None if sharded is None else sharded.part(name, module, args, output)
             if part is not None:  # a rank's plain part: the tap works on the DTensor it is part of
                 output = part.wrap(output)

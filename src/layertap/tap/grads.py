@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -74,18 +75,24 @@ def _set_version(t: torch.Tensor, version: int) -> None:
 
 
 class Call:
-    """One running call of a layer whose gradients are tapped: the versions of the tensors it was
-    given (by id), and the inputs replaced by aliases, to rebase if the layer changes them in place."""
+    """One running call of a layer whose gradients are tapped: the tensors it was given and their
+    versions (by id), and the inputs replaced by aliases, to rebase if the layer changes them in place."""
 
-    __slots__ = ("given", "swaps")
+    __slots__ = ("given", "inputs", "swaps")
 
     def __init__(self) -> None:
         self.given: dict[int, int] = {}
+        self.inputs: list[torch.Tensor] = []
         self.swaps: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def saw(self, value: Any) -> None:
         # inference tensors have no version (the tap then refuses gradients, naming the mode)
-        self.given = {id(t): t._version for t in nested.tensors(value) if not t.is_inference()}
+        self.inputs = [t for t in nested.tensors(value) if not t.is_inference()]
+        self.given = {id(t): t._version for t in self.inputs}
+
+    def passed_on(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, returned by the layer, is (a view of) one of its inputs, unchanged."""
+        return any(shares_memory(t, i) and self.given[id(i)] == i._version for i in self.inputs)
 
     def rebase(self) -> None:
         """After the call: a tensor the layer changed in place through its alias gets that history too."""
@@ -157,17 +164,48 @@ class Grads:
         self._put = put
         # (name, id(module)) -> the running calls of a layer whose gradients are tapped, innermost last
         self.open: dict[tuple[str, int], list[Call]] = {}
+        # what layers passed on of their input this forward, and its version then (`forward_ended`)
+        self._passed: list[tuple[str, torch.Tensor, int]] = []
+        self._warned: set[str] = set()
+
+    def forward_started(self) -> None:
+        self.open.clear()  # calls a raising forward left open
+        self._passed.clear()
+
+    def forward_ended(self) -> None:
+        """Warn once per layer whose passed-on input an in-place op changed later in the forward.
+
+        The one case the aliases cannot keep exact (see the module docstring): the tensor the
+        layer was given is also read downstream, and that read carries the history before the
+        in-place op, so the model's own gradients would differ while tapped."""
+        for name, t, version in self._passed:
+            if t._version != version and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"layertap: layer {name!r} returned (a view of) its input, and the forward changed it in place "
+                    "afterwards: while its gradient is tapped, a later read of the tensor the layer was given misses "
+                    "that in-place op's gradient, so the model's own gradients may differ. Tap the layer before "
+                    "or after it instead, or capture outputs only",
+                    stacklevel=2,
+                )
+        self._passed.clear()
 
     def opened(self, name: str, module: nn.Module, call: Call) -> None:
         """``call`` of layer ``name`` started (its pre-hook saw what it was given)."""
         self.open.setdefault((name, id(module)), []).append(call)
 
-    def closed(self, name: str, module: nn.Module) -> Call:
+    def closed(self, name: str, module: nn.Module, output: Any) -> Call:
         """The call its pre-hook opened, now ended: rebased onto what the layer changed in place."""
         calls = self.open.get((name, id(module)))
         call = calls.pop() if calls else Call()
         call.rebase()
+        self.passed(name, call, output)
         return call
+
+    def passed(self, name: str, call: Call, value: Any) -> None:
+        """Note the tensors of ``value`` that a layer passed on of its input (`forward_ended` checks them)."""
+        if call.inputs:
+            self._passed += [(name, t, t._version) for t in nested.tensors(value) if call.passed_on(t)]
 
     def watch(
         self, kind: str, name: str, index: int, value: Any, part: int | None, call: Call, wanted: bool, put: bool = True
