@@ -473,3 +473,57 @@ def test_chunk_moments_in_any_order_equal_a_read_back_in_chunk_order():
     reference = torch.from_numpy(rows).view(torch.bfloat16).double().reshape(n, -1).numpy()
     np.testing.assert_allclose(got.mean, reference.mean(0), rtol=1e-12)
     np.testing.assert_allclose(got.m2 / n, reference.var(0), rtol=1e-10)
+
+
+# ------------------------------------------------------------------ what would make rows depend on their batch
+def test_a_model_in_training_mode_is_refused(tmp_path):
+    model = tm.llama().train()  # dropout: every run another row
+    model.config.attention_dropout = 0.5
+    with pytest.raises(layertap.ArgumentError, match=r"training mode.*model\.eval\(\)"):
+        layertap.extract_tokens(model, TEXTS[:2], "layers.0", out=tmp_path / "s.zarr", tokenizer=tm.minilm_tokenizer(), progress=False)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def rope_llama(kind: str) -> Ref:
+    """A Llama whose rotary frequencies depend on the sequence's length above 8 tokens."""
+    rope = {"rope_type": "dynamic", "factor": 4.0} if kind == "dynamic" else {
+        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [8.0] * 4, "original_max_position_embeddings": 8,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=30522,
+        max_position_embeddings=8 if kind == "dynamic" else 64, pad_token_id=0, initializer_range=0.5, rope_scaling=rope,
+    )  # fmt: skip
+    return Ref(transformers.LlamaModel(config).eval(), tm.minilm_tokenizer(), {"layers.0": 1, "norm": 2})
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_rotary_positions_that_change_with_the_length_are_refused_above_it(kind, tmp_path):
+    ref = rope_llama(kind)
+    texts = ["a cat", "the dogs ran far away from the house into the old dark wood"]  # 4 and 15 tokens
+    with pytest.raises(layertap.ArgumentError, match=rf"rope_type '{kind}'.*above 8 tokens.*max_length=8 or less"):
+        run(ref, texts, tmp_path / "s.zarr", batch_size=2, max_length=64)  # a dynamic RoPE's default: its 8 positions
+    assert not (tmp_path / "s.zarr").exists()
+    # within the length the frequencies hold for, every row is its document's alone
+    check(run(ref, texts, tmp_path / "short.zarr", max_length=8, batch_size=2), ref, ref.doc_units(texts, 8))
+
+
+def test_longrope_alone_in_its_batch_is_exact_at_any_length(tmp_path):
+    ref = rope_llama("longrope")  # its frequencies depend on the length of the call alone: a batch of one is the document alone
+    texts = ["a cat", "the dogs ran far away from the house into the old dark wood"]
+    check(run(ref, texts, tmp_path / "s.zarr", batch_size=1, max_length=64), ref, ref.doc_units(texts, 64))
+
+
+def test_a_layer_that_runs_several_times_per_forward_is_refused(llama, tmp_path):
+    # the run stops at a layer's first call: its other calls would be lost, silently
+    albert = transformers.AlbertModel(transformers.AlbertConfig(
+        vocab_size=30522, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64,
+    )).eval()  # fmt: skip
+    shared = "encoder.albert_layer_groups.0.albert_layers.0"  # one module, called by each of the 3 layers
+    with pytest.raises(layertap.ArgumentError, match=rf"layer '{shared}' runs 3 times per forward"):
+        layertap.extract_tokens(albert, TEXTS[:3], shared, out=tmp_path / "a.zarr", tokenizer=llama.tokenizer, progress=False)
+    with pytest.raises(layertap.ArgumentError, match=r"'layers.0:add' runs 2 times per forward.*module:op#2"):  # the 2 residual sums
+        layertap.extract_tokens(llama.model, TEXTS[:3], "layers.0:add", out=tmp_path / "b.zarr", tokenizer=llama.tokenizer, progress=False)
+    store = layertap.extract_tokens(llama.model, TEXTS[:3], "layers.0:add#2", out=tmp_path / "c.zarr", tokenizer=llama.tokenizer, progress=False)
+    assert store.complete and store.layers == ["layers.0:add#2"]

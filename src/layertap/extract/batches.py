@@ -202,15 +202,16 @@ class TokenForward:
             )
         self.tap: Tap = tap(model, names, dtype=dtype, stop_early=True)
 
-    def _run(self, model_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-        """Each layer's per-token tensor (the first of its output) for one padded batch."""
+    def _run(self, model_inputs: dict[str, torch.Tensor], taps: Tap | None = None) -> dict[str, torch.Tensor | None]:
+        """Each layer's per-token tensor (the first of its output, of its first call) for one padded batch."""
+        taps = self.tap if taps is None else taps  # a Tap is a mapping: empty until it runs
         ids, rest = model_inputs["input_ids"], {k: v for k, v in model_inputs.items() if k != "input_ids"}
-        with running(self.model), self.tap:
+        with running(self.model), taps:
             if self.ids_by_name:
                 run_model(self.model, model_inputs)
             else:  # a forward whose first argument has another name (TransformerLens' `input`)
                 self.model(ids, **rest)
-        return {name: next(iter(nested.tensors(self.tap[name])), None) for name in self.names}
+        return {name: next(iter(nested.tensors(taps[name])), None) for name in self.names}
 
     def _prove(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
         """Find each layer's token dimension: the one that follows the padded length when the
@@ -218,7 +219,15 @@ class TokenForward:
         see above). Two, not the batch: only the shapes after the batch dimension are compared (and
         two keep it where a model squeezes a batch of one)."""
         ids = model_inputs["input_ids"]
-        again = self._run(longer_by_one({k: v[:2] for k, v in model_inputs.items()}, self.pad_id))
+        every = tap(self.model, self.names, keep="all")  # the whole forward, every call: how often each layer runs
+        again = self._run(longer_by_one({k: v[:2] for k, v in model_inputs.items()}, self.pad_id), every)
+        for name in self.names:
+            if len(every[name]) > 1:  # the run stops at the first call (stop_early): the others would be lost, silently
+                raise ArgumentError(
+                    f"layer {name!r} runs {len(every[name])} times per forward (a module shared by several layers, or an op "
+                    "without #K), and a token store holds one row per token and layer: tap the modules that call it, or "
+                    "name one call of an op ('module:op#2')"
+                )
         for name, t in outputs.items():
             other = again[name]
             dim = token_dim(None if t is None else t.shape, None if other is None else other.shape, ids.shape[0], ids.shape[1])

@@ -93,6 +93,31 @@ def default_max_length(model: nn.Module, tokenizer: Any) -> int:
     return min(found) if found else 512
 
 
+def check_positions(model: nn.Module, longest: int, batch_size: int) -> None:
+    """Refuse units whose rotary positions would depend on their batch: a Hugging Face RoPE of type
+    ``"dynamic"`` or ``"longrope"`` changes its frequencies with the padded length of the batch
+    above ``original_max_position_embeddings`` (``"dynamic"`` also keeps the longest length seen)."""
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return
+    # one, or one per layer type (Gemma 3's sliding and full attention)
+    kinds = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]
+    for r in kinds:
+        kind = r.get("rope_type", r.get("type"))
+        if kind not in ("dynamic", "longrope") or (kind == "longrope" and batch_size == 1):
+            continue
+        limit = r.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        limit = limit if isinstance(limit, int) else getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and longest > limit:
+            fix = f"pass max_length={limit} or less" + (", or batch_size=1" if kind == "longrope" else "")
+            raise ArgumentError(
+                f"the model's rotary positions (rope_type {kind!r}) change with the sequence's length above {limit} tokens, so a "
+                f"unit of {longest} tokens would be computed with frequencies set by its batch-mates"
+                f"{' and by earlier batches' if kind == 'dynamic' else ''}, not as it is alone: {fix}"
+            )
+
+
 def _separator(tokenizer: Any) -> int:
     for name in ("eos_token_id", "sep_token_id"):
         token = getattr(tokenizer, name, None)

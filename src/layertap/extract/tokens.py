@@ -45,7 +45,7 @@ from .batches import TokenForward, TokenSource
 from .run import _Run, resolve_target, run_job
 from .settings import Verify, _check_same_everywhere, _settings, _store_meta, _tolerance, describe
 from .token_plan import pad_id, plan_tokens
-from .tokenizer import tokenizer_fingerprint
+from .tokenizer import check_positions, tokenizer_fingerprint
 from .units import TokenPolicy, Units
 
 _GRANULE = 256  # chunks are whole multiples of this many rows: their stored pieces stay large
@@ -114,11 +114,17 @@ def extract_tokens(
     names = select(model, layers)
     if batch_size < 1:
         raise ArgumentError(f"batch_size must be at least 1, got {batch_size}")
+    if model.training:  # a model made from a config starts in training mode
+        raise ArgumentError(
+            f"{type(model).__name__} is in training mode (dropout on, batch statistics): its rows would be random, not what it "
+            "computes for each document: call model.eval() first"
+        )
     plan = plan_tokens(
         model, texts, tokenizer=tokenizer, max_length=max_length, pack=pack, tokens=tokens, dtype=dtype,
         text_field=text_field, id_field=id_field, on_error=on_error, limit=limit,
     )
     corpus, tokenizer, max_length, units, dtype = plan.corpus, plan.tokenizer, plan.max_length, plan.units, plan.dtype
+    check_positions(model, max(map(len, units.ids)), batch_size)
     out, fmt, _, device, run_device = resolve_target(model, out, format, device, distributed, verify, chunk_size)
     pad = pad_id(tokenizer)
     source = TokenSource(units, batch_size=batch_size, pad_id=pad, description=corpus.description, doc_ids=corpus.doc_ids)
