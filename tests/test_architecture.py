@@ -21,9 +21,9 @@ ROOT = SRC.parent.parent
 
 # bottom first; a name is a module or a package (all of its files)
 LAYERS: list[set[str]] = [
-    {"printable", "units", "nested", "records", "workers", "hfcode", "shapes", "_copy", "_moments"},
+    {"printable", "units", "nested", "records", "workers", "shapes", "_copy", "_moments"},
     {"errors", "tensorstats"},
-    {"tables", "progress", "atomic", "allocator", "distributed", "select", "attention_weights"},
+    {"tables", "progress", "atomic", "allocator", "distributed", "select", "attention_weights", "hfcode"},
     {"modelinfo"},
     {"images"},
     {"overlay", "data"},

@@ -419,3 +419,44 @@ def test_a_hub_kernel_named_in_a_models_config_does_not_refuse_its_tokenizer(tok
 
     add_to_json(tokenizer_folder / "config.json", attn_implementation="some-org/some-kernel")
     assert read_tokenizer(tokenizer_folder)("a cat").input_ids[0] == 101
+
+
+@pytest.mark.parametrize(
+    ("named", "shown"),
+    [(["some-org/some-kernel"], "a list (['some-org/some-kernel'])"), (3, "an int (3)"), ({"": "sdpa", "vision_config": ["x"]}, "a list (['x'])")],
+    ids=["list", "number", "in a dict"],
+)
+@pytest.mark.parametrize("trust", [False, True])
+def test_an_attention_that_is_not_a_name_is_a_one_line_error(vit_folder, named, shown, trust, monkeypatch):
+    """transformers calls .startswith on it (AttributeError: 'list' object has no attribute
+    'startswith'): refused before anything loads, trusted or not, as no trust makes it work."""
+    import transformers
+
+    add_to_json(vit_folder / "config.json", attn_implementation=named)
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{vit_folder}", trust=trust)
+    assert one_line(refused.value) == (
+        f"hf:{vit_folder}: config.json gives attn_implementation as {shown}, not the name of an implementation: "
+        'give a string (such as "sdpa" or "eager"), or a dict of them by sub-config, or remove the key'
+    )
+
+
+def test_a_hub_kernel_in_a_nested_per_sub_config_dict_is_refused(vit_folder):
+    """transformers hands each value of the dict to its sub-config, where a dict is one per
+    sub-config again: a kernel named two levels down is still a kernel."""
+    add_to_json(vit_folder / "config.json", attn_implementation={"": "sdpa", "text_config": {"": "some-org/some-kernel"}})
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(f"hf:{vit_folder}")
+    assert one_line(refused.value).startswith(
+        f"hf:{vit_folder} brings a kernel from the Hugging Face Hub (attn_implementation: 'some-org/some-kernel' in its config)"
+    )
+
+
+def test_a_tokenizer_config_with_an_attention_that_is_not_a_name_names_the_file(tokenizer_folder):
+    from layertap.extract.tokenizer import read_tokenizer
+
+    add_to_json(tokenizer_folder / "tokenizer_config.json", attn_implementation=["some-org/some-kernel"])
+    with pytest.raises(ModelLoadError) as refused:
+        read_tokenizer(tokenizer_folder)
+    assert f"{tokenizer_folder / 'tokenizer_config.json'} gives attn_implementation as a list" in one_line(refused.value)

@@ -329,7 +329,7 @@ def _hf(path_or_name: str, trust: bool) -> tuple[nn.Module, ModelInfo]:
                 _check_zip_weights(folder / name)
     # with trust_remote_code=False, transformers would quietly use its own class for a known model
     # type: refuse instead, as the folder means its own code
-    code = names_code(transformers.PretrainedConfig.get_config_dict(path_or_name)[0])
+    code = names_code(transformers.PretrainedConfig.get_config_dict(path_or_name)[0], where=f"{spec}: config.json")
     if not trust and code is not None:
         raise _custom_code(spec, code)
     # trust_remote_code is always given: left None, transformers asks on stdin whether to run code;

@@ -24,6 +24,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
+import reprlib
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,8 @@ import numpy as np
 from ..errors import DataError, require
 
 _SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".parquet")
+_SHORT = reprlib.Repr()  # a value from a file, in a message: a few items, a few levels, never all of it
+_SHORT.maxstring = _SHORT.maxother = 80
 
 
 @dataclass
@@ -75,7 +80,8 @@ def _records(rows: list, text_field: str, id_field: str | None, where: str) -> t
         raise DataError(f"record {bad} of {where} is a {type(rows[bad]).__name__}, not an object with a {text_field!r} field")
     docs = [r.get(text_field) for r in rows]
     if rows and all(text_field not in r for r in rows):
-        raise DataError(f"no record of {where} has a {text_field!r} field (it has {sorted(rows[0])}): pass text_field=")
+        fields = sorted(k for k in rows[0] if isinstance(k, str))  # a CSV row's extra fields are under None
+        raise DataError(f"no record of {where} has a {text_field!r} field (it has {fields}): pass text_field=")
     if id_field is None:
         return docs, None
     ids = [r.get(id_field) for r in rows]
@@ -86,12 +92,13 @@ def _records(rows: list, text_field: str, id_field: str | None, where: str) -> t
 def _check_ids(ids: list, id_field: str, where: str) -> None:
     missing = next((i for i, v in enumerate(ids) if not isinstance(v, (str, int)) or isinstance(v, bool)), None)
     if missing is not None:
-        raise DataError(f"document {missing} of {where} has no {id_field!r} (a string or an integer): {ids[missing]!r}")
+        raise DataError(f"document {missing} of {where} has no {id_field!r} (a string or an integer): {_SHORT.repr(ids[missing])}")
     seen: dict = {}
     for i, v in enumerate(ids):
         key = str(v)  # 1 and "1" are one id once stored (the store keeps ids of mixed types as text)
         if key in seen:
-            same = f"the same {id_field!r} {v!r}" if ids[seen[key]] == v else f"the {id_field!r}s {ids[seen[key]]!r} and {v!r}, one id as text"
+            first, shown = _SHORT.repr(ids[seen[key]]), _SHORT.repr(v)
+            same = f"the same {id_field!r} {shown}" if ids[seen[key]] == v else f"the {id_field!r}s {first} and {shown}, one id as text"
             raise DataError(f"documents {seen[key]} and {i} of {where} have {same}: ids must be unique")
         seen[key] = i
 
@@ -104,27 +111,101 @@ def _text(path: Path) -> str:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start : e.start + 1]!r}): save it as UTF-8") from e
 
 
-def _json_rows(path: Path) -> list:
+def _json_rows(path: Path, text_field: str) -> list:
     text = _text(path)
     if path.suffix == ".json":
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): fix the file") from e
+        value = _json(text, path, None, text_field)
         if isinstance(value, dict):  # {"data": [...]} as some exports write it
             lists = [v for v in value.values() if isinstance(v, list)]
             value = lists[0] if len(lists) == 1 else value
         if not isinstance(value, list):
             raise DataError(f"{path} holds a JSON {type(value).__name__}, not a list of records: give a list, or a .jsonl file")
         return value
-    rows = []
-    for n, line in enumerate(_lines(text), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"line {n} of {path} is not valid JSON ({e.msg}): fix it, or remove the line") from e
-    return rows
+    return [_json(line, path, n, text_field) for n, line in enumerate(_lines(text), 1) if line.strip()]
+
+
+def _json(text: str, path: Path, line: int | None, text_field: str) -> Any:
+    """``text`` parsed as JSON: all of a .json file (``line`` None), or one line of a .jsonl file."""
+    where, fix = (f"line {line} of {path}", "fix it, or remove the line") if line else (str(path), "fix the file")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"{e.msg} at line {e.lineno}" if line is None else e.msg
+        raise DataError(f"{where} is not valid JSON ({at}): {fix}") from e
+    except RecursionError as e:  # json nests by recursion
+        if line is None:
+            where = f"line {_deep_line(text)} of {path}"
+        raise DataError(f"{where} is nested too deeply to read as JSON: a record is one object with a {text_field!r} field; {fix}") from e
+    except ValueError as e:  # a number longer than Python converts (sys.get_int_max_str_digits)
+        raise DataError(f"{where} cannot be read as JSON ({str(e).split(':')[0]}): {fix}") from e
+
+
+def _deep_line(text: str) -> int:
+    """The line of a JSON text where its nesting gets too deep (or is deepest), for a message."""
+    depth = deepest = at = 0
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|[][{}]', text):  # strings skipped, brackets counted
+        if match.group() in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, at = depth, match.start()
+            if depth >= sys.getrecursionlimit():
+                break
+        elif match.group() in "]}":
+            depth -= 1
+    return text.count("\n", 0, at) + 1
+
+
+def _no_surrogates(docs: list, ids: list | None, where: str) -> None:
+    """Refuse a string parsed from a JSON escape of half a surrogate pair (``"\\ud800"``): no
+    character, so no tokenizer or store takes it."""
+    for kind, values in (("document", docs), ("the id of document", ids or [])):
+        for i, value in enumerate(values):
+            if isinstance(value, str) and not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise DataError(
+                        f"{kind} {i} of {where} holds {value[e.start]!r}, half of a UTF-16 surrogate pair (a "
+                        "JSON \\u escape) without its other half, which is no character: fix the escape"
+                    ) from e
+
+
+def _csv_rows(path: Path) -> list:
+    """A CSV file's records (dicts by the header's fields); no field is too long (csv's own limit,
+    128 K characters, is lifted while the file is read: no field is longer than the file)."""
+    text = _text(path)
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text) + 1))
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))  # csv ends records itself, at \n and \r only
+        try:
+            return list(reader)
+        except csv.Error as e:
+            raise DataError(f"line {reader.reader.line_num} of {path} is not valid CSV ({e}): fix it, or remove the line") from e
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _parquet(path: Path, text_field: str, id_field: str | None) -> tuple[list, list | None]:
+    pa = require("pyarrow", "text")
+    pq = require("pyarrow.parquet", "text")
+    try:
+        with pq.ParquetFile(path) as parquet:  # the file alone (read_table's datasets refuse duplicate names)
+            table = parquet.read()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} cannot be read as Parquet ({_first_line(e)}): fix or re-export the file") from e
+
+    def column(name: str) -> list:
+        try:
+            return table.column(name).to_pylist()
+        except (pa.ArrowException, ValueError, OverflowError) as e:
+            raise DataError(f"column {name!r} of {path} cannot be read ({_first_line(e)}): fix or re-export the file") from e
+
+    return _columns(table.column_names, column, text_field, id_field, str(path))
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _lines(text: str) -> list[str]:
@@ -140,13 +221,12 @@ def _file(path: Path, text_field: str, id_field: str | None) -> tuple[list, list
     if path.suffix == ".txt":
         return _lines(_text(path)), None
     if path.suffix in (".json", ".jsonl"):
-        return _records(_json_rows(path), text_field, id_field, str(path))
+        docs, ids = _records(_json_rows(path, text_field), text_field, id_field, str(path))
+        _no_surrogates(docs, ids, str(path))
+        return docs, ids
     if path.suffix == ".csv":
-        rows = list(csv.DictReader(io.StringIO(_text(path), newline="")))  # csv ends records itself, at \n and \r only
-        return _records(rows, text_field, id_field, str(path))
-    pq = require("pyarrow.parquet", "text")
-    table = pq.read_table(path)
-    return _columns(table.column_names, lambda c: table.column(c).to_pylist(), text_field, id_field, str(path))
+        return _records(_csv_rows(path), text_field, id_field, str(path))
+    return _parquet(path, text_field, id_field)
 
 
 def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str | None, where: str) -> tuple[list, list | None]:
@@ -154,6 +234,8 @@ def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str |
     for field in (text_field, id_field):
         if field is not None and field not in names:
             raise DataError(f"{where} has no column {field!r} (it has {list(names)}): pass text_field= / id_field=")
+        if field is not None and list(names).count(field) > 1:
+            raise DataError(f"{where} has {list(names).count(field)} columns named {field!r}: rename all but one")
     ids = None if id_field is None else list(column(id_field))
     if ids is not None:
         _check_ids(ids, id_field or "", where)
@@ -187,6 +269,9 @@ def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = 
         docs, ids = _file(path, text_field, id_field)
         return Corpus(docs, ids, str(path), False)
     if type(texts).__module__.startswith("datasets") and hasattr(texts, "column_names"):
+        if isinstance(texts.column_names, dict):  # a DatasetDict: its splits' columns
+            splits = list(texts.column_names)
+            raise DataError(f"texts is a {type(texts).__name__} of the splits {splits}: give one split, e.g. texts[{splits[0] if splits else 'train'!r}]")
         docs, ids = _columns(texts.column_names, lambda c: texts[c], text_field, id_field, "the dataset")
         if docs and _is_ids(docs[0]):
             return Corpus(docs, ids, f"a dataset of {len(docs)} tokenized documents", True)

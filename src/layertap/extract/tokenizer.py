@@ -59,6 +59,8 @@ def read_tokenizer(folder: Path, fix: str = "pass tokenizer=") -> Any:
     try:
         # transformers also reads a tokenizer's auto_map from the model's config.json
         code = folder_names_code(folder, "tokenizer_config.json") or folder_names_code(folder, "config.json", "AutoTokenizer")
+    except ModelLoadError:  # names the file and what is wrong in it already
+        raise
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"a config file in {folder} is not valid JSON ({e}): fix or remove it, or {fix}") from e
     if code is not None:
