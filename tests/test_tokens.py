@@ -527,3 +527,33 @@ def test_a_layer_that_runs_several_times_per_forward_is_refused(llama, tmp_path)
         layertap.extract_tokens(llama.model, TEXTS[:3], "layers.0:add", out=tmp_path / "b.zarr", tokenizer=llama.tokenizer, progress=False)
     store = layertap.extract_tokens(llama.model, TEXTS[:3], "layers.0:add#2", out=tmp_path / "c.zarr", tokenizer=llama.tokenizer, progress=False)
     assert store.complete and store.layers == ["layers.0:add#2"]
+
+
+def test_a_unit_as_long_as_the_models_positions_runs(tmp_path):
+    # absolute positions end at the model's last: nothing asks for one past it
+    tokenizer = tm.bpe_tokenizer(BPE_TEXTS)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=16, vocab_size=len(tokenizer))).eval()
+    ref = Ref(model, tokenizer, {"ln_f": 1})  # the last hidden state is ln_f's output
+    texts = [BPE_TEXTS[0] * 4, BPE_TEXTS[1]]  # the first cut to the 16 positions
+    store = run(ref, texts, tmp_path / "g.zarr")
+    assert store.card["max_length"] == 16 and int(np.asarray(store.positions).max()) == 15
+    check(store, ref, ref.doc_units(texts, 16))
+
+
+def test_roberta_positions_after_the_padding_index_bound_the_default_length(tmp_path):
+    # RoBERTa numbers real tokens from padding_idx + 1: 20 position embeddings hold 18 tokens
+    tokenizer = tm.minilm_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=20, pad_token_id=1)  # fmt: skip
+    ref = Ref(transformers.RobertaModel(config).eval(), tokenizer, {"encoder.layer.0": 1})
+    texts = [" ".join("abcdefghijklmnopqrstuvwxyz"), "short one"]
+    limit = tokenizer.model_max_length
+    tokenizer.model_max_length = int(1e30)  # as a tokenizer saved without a limit
+    try:
+        store = run(ref, texts, tmp_path / "r.zarr")
+    finally:
+        tokenizer.model_max_length = limit
+    assert store.card["max_length"] == 18
+    check(store, ref, ref.doc_units(texts, 18))

@@ -20,8 +20,8 @@ Why each row is exact, whatever the tokenizer's padding side:
 A layer's output holds one value per token: ``[batch, tokens, ...]`` (the first tensor of a
 tuple, as everywhere), or the tokens in another dimension (an SDPA output is ``[batch, heads,
 tokens, head_dim]``). Which dimension is the tokens' is known, not guessed from sizes (heads may
-be as many as the tokens): the first batch runs once more, one padding token longer, and the
-dimension that follows is the tokens'. The rest is flattened: each layer is stored as
+be as many as the tokens): the first two units of the first batch run once more, one token
+shorter, and the dimension that follows is the tokens'. The rest is flattened: each layer is stored as
 ``[rows, features]``.
 
 >>> import torch
@@ -215,12 +215,15 @@ class TokenForward:
 
     def _prove(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
         """Find each layer's token dimension: the one that follows the padded length when the
-        batch's first two units run again one padding token longer (real tokens compute the same:
-        see above). Two, not the batch: only the shapes after the batch dimension are compared (and
-        two keep it where a model squeezes a batch of one)."""
+        batch's first two units run again one token shorter (the last column cut: only shapes are
+        compared, and no position past the model's last is asked for), or one padding token longer
+        for a batch one token long. Two, not the batch: only the shapes after the batch dimension
+        are compared (and two keep it where a model squeezes a batch of one)."""
         ids = model_inputs["input_ids"]
+        units, length = ids.shape
+        first = {k: v[:2] for k, v in model_inputs.items()}
         every = tap(self.model, self.names, keep="all")  # the whole forward, every call: how often each layer runs
-        again = self._run(longer_by_one({k: v[:2] for k, v in model_inputs.items()}, self.pad_id), every)
+        again = self._run({k: v[:, :-1] for k, v in first.items()} if length > 1 else longer_by_one(first, self.pad_id), every)
         for name in self.names:
             if len(every[name]) > 1:  # the run stops at the first call (stop_early): the others would be lost, silently
                 raise ArgumentError(
@@ -230,7 +233,9 @@ class TokenForward:
                 )
         for name, t in outputs.items():
             other = again[name]
-            dim = token_dim(None if t is None else t.shape, None if other is None else other.shape, ids.shape[0], ids.shape[1])
+            shapes = (None if t is None else t.shape, None if other is None else other.shape)
+            short, longer = shapes[::-1] if length > 1 else shapes
+            dim = token_dim(short, longer, min(units, 2) if length > 1 else units, length - 1 if length > 1 else length)
             if dim is None:
                 got = "no tensor" if t is None else f"shape {list(t.shape)}"
                 raise StoreError(

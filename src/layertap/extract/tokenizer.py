@@ -87,10 +87,16 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict:
 
 
 def default_max_length(model: nn.Module, tokenizer: Any) -> int:
-    """The longest input the model and tokenizer both take (512 when neither says)."""
+    """The longest input the model and tokenizer both take (512 when neither says). A position
+    embedding with a padding index (RoBERTa, XLM-R) numbers real tokens from after it."""
     config = getattr(model, "config", None)
     limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
     limits.append(getattr(tokenizer, "model_max_length", None))
+    limits += [
+        m.num_embeddings - m.padding_idx - 1
+        for name, m in model.named_modules()
+        if name.endswith("position_embeddings") and isinstance(m, nn.Embedding) and m.padding_idx is not None and m.padding_idx >= 0
+    ]
     found = [int(x) for x in limits if isinstance(x, int) and 0 < x < 1_000_000]
     return min(found) if found else 512
 
