@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from functools import cache
 
 import h5py
@@ -557,3 +558,16 @@ def test_roberta_positions_after_the_padding_index_bound_the_default_length(tmp_
         tokenizer.model_max_length = limit
     assert store.card["max_length"] == 18
     check(store, ref, ref.doc_units(texts, 18))
+
+
+def test_values_beyond_float16_are_named_with_the_fix(tmp_path):
+    model = tm.llama()
+    with torch.no_grad():
+        model.norm.weight.mul_(1e5)  # a residual stream past float16's 65,504
+    ref = Ref(model, tm.minilm_tokenizer(), {"layers.0": 1, "norm": 2})
+    with pytest.warns(UserWarning, match=r"rows of 'norm' hold inf or NaN.*torch\.bfloat16"):
+        store = run(ref, TEXTS[:4], tmp_path / "h.zarr", dtype=torch.float16)
+    assert np.isinf(np.asarray(store["norm"])).any() and np.isfinite(np.asarray(store["layers.0"])).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bfloat16 holds them
+        run(ref, TEXTS[:4], tmp_path / "b.zarr", dtype=torch.bfloat16)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -193,9 +194,10 @@ class _Moments:
         n = self.n + other.n
         if other.n == 0:
             return
-        delta = other.mean - self.mean
-        self.mean = self.mean + delta * (other.n / n)
-        self.m2 = self.m2 + other.m2 + delta**2 * (self.n * other.n / n)
+        with np.errstate(invalid="ignore", over="ignore"):  # an inf among the values: said once, at the end
+            delta = other.mean - self.mean
+            self.mean = self.mean + delta * (other.n / n)
+            self.m2 = self.m2 + other.m2 + delta**2 * (self.n * other.n / n)
         self.n, self.norms = n, self.norms + other.norms
 
     def record(self) -> dict:
@@ -237,8 +239,18 @@ class _TokenRun(_Run):
                     merged[key].merge(m)
             store.meta["token_stats"] = {key: m.record() for key, m in merged.items()}
             store.finish(num_samples)
+            _warn_nonfinite(merged, self.meta["tokens"]["dtype"])
 
         procs.share(finish)
+
+
+def _warn_nonfinite(moments: dict[str, _Moments], dtype: str) -> None:
+    """Say which layers hold an inf or NaN (a sum of rows is finite only if every value is): in
+    float16, most often an activation beyond its 65,504."""
+    bad = [key for key, m in moments.items() if not (np.isfinite(m.norms) and np.isfinite(m.mean).all())]
+    if bad:
+        fix = ": float16 holds at most 65,504, so store with dtype=torch.bfloat16 or torch.float32" if dtype == "float16" else ""
+        warnings.warn(f"layertap: the stored rows of {', '.join(map(repr, bad))} hold inf or NaN values{fix}", stacklevel=4)
 
 
 class _ChunkMoments:
