@@ -262,7 +262,7 @@ def _single_segments(encoding: Mapping) -> None:
     """Refuse model inputs beside the ids that the run would drop: each document runs as one
     segment (``token_type_ids`` 0) from position 0, as layertap batches it."""
     given = [k for k in ("position_ids", "inputs_embeds") if encoding.get(k) is not None]
-    segments = encoding.get("token_type_ids")
+    segments: Any = encoding.get("token_type_ids")
     if hasattr(segments, "cpu"):
         segments = segments.cpu().numpy()
     rows = [] if segments is None else [segments] if len(segments) and np.ndim(segments[0]) == 0 else list(segments)
