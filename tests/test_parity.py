@@ -37,6 +37,19 @@ def test_outputs_equal_torchvision_feature_extractor(arch):
         assert torch.equal(ours[name], fx[name]), name
 
 
+def test_a_module_called_twice_is_its_first_call_as_fx_names_it_whatever_else_is_chosen():
+    # swin_t's stochastic depth runs twice per block; FX's node without a suffix is the first call
+    model = torchvision.models.swin_t().eval()
+    shared = "features.3.0.stochastic_depth"
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        fx = create_feature_extractor(model, return_nodes=[shared])(x)[shared]
+        alone = layertap.extract(model, x, shared)[shared]
+        with_later = layertap.extract(model, x, [shared, "head"])[shared]
+        backbone = layertap.FeatureExtractor(model, [shared, "features.7"])(x)[shared]
+    assert torch.equal(alone, fx) and torch.equal(with_later, fx) and torch.equal(backbone, fx)
+
+
 def _prev_conv(name: str) -> str:
     """The conv that feeds a BatchNorm in torchvision's naming: bn2 <- conv2, x.1 <- x.0."""
     parent, _, leaf = name.rpartition(".")

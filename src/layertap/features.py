@@ -27,7 +27,10 @@ def extract(
     ``detach=False``, runs without autograd. Other options are those of `layertap.tap`
     (``reduce``, ``dtype``, ``to``, ``keep``, ``edit``). For gradients use `layertap.tap`.
     ``reduce`` of a padded text batch given with its ``attention_mask`` pools each document's
-    real tokens only, so its feature does not depend on its batch-mates.
+    real tokens only, so its feature does not depend on its batch-mates. A layer that runs several
+    times per forward (a shared ``ReLU``) gives its first call, whatever other layers are chosen
+    (the forward may stop there), as torchvision's ``create_feature_extractor`` names it; pass
+    ``keep="all"`` with ``stop_early=False`` for every call.
 
     >>> import torch, torchvision, layertap
     >>> model = torchvision.models.resnet18()
@@ -42,7 +45,7 @@ def extract(
         )
     # detach=False: the caller's autograd mode, so the values can carry gradients
     with running(model, grad=None if tap_options.get("detach") is False else False):
-        with tap(model, selection(model, layers), capture=capture, stop_early=stop_early, **tap_options) as taps:
+        with tap(model, selection(model, layers), capture=capture, stop_early=stop_early, **{"keep": "first", **tap_options}) as taps:
             run_model(model, inputs)
     view = taps.outputs if capture == "output" else taps.inputs
     return {name: view[name] for name in taps.names}
@@ -53,7 +56,7 @@ class FeatureExtractor(nn.Module):
 
     Like torchvision's ``create_feature_extractor`` but without tracing, so it works on any
     model; the forward stops after the last chosen layer (``stop_early=True``). Options are those
-    of `layertap.tap`. Parameters of the layers that never run get no gradient (use
+    of `layertap.tap`; a layer that runs several times per forward gives its first call, as in `extract`. Parameters of the layers that never run get no gradient (use
     ``find_unused_parameters=True`` under DDP, or ``stop_early=False``).
 
     >>> import torch, torchvision, layertap
@@ -70,7 +73,7 @@ class FeatureExtractor(nn.Module):
         self.model = model
         self._selection = selection(model, layers)  # resolved once, for every forward
         self.layers = list(self._selection.names)
-        self._options = dict(detach=detach, stop_early=stop_early, **tap_options)
+        self._options = {"keep": "first", **dict(detach=detach, stop_early=stop_early, **tap_options)}
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         with running(self.model, grad=None):  # gradients flow
