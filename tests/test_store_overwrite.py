@@ -185,3 +185,38 @@ def test_overwrite_in_an_object_store_refuses_the_users_objects_too():
             np.testing.assert_array_equal(store.to_numpy("1"), reference(1))
     finally:
         fs.rm(f"/layertap-overwrite-{os.getpid()}", recursive=True)
+
+
+def test_an_overwrite_across_a_folder_and_a_file_store_is_refused_and_nothing_removed(tmp_path):
+    # a Zarr folder at "u.h5" overwritten as HDF5: it was emptied, then the file could not be made
+    out = tmp_path / "u.h5"
+    extract(out, "zarr")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(StoreError, match=r"^.*u\.h5 is a zarr store \(a folder\), which a hdf5 store \(one file\) cannot replace: write to another path") as e:
+        extract(out, "hdf5", overwrite=True)
+    assert "\n" not in str(e.value)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    with layertap.open_features(out) as store:
+        np.testing.assert_allclose(store.to_numpy("1"), reference(0), rtol=1e-5)
+    # and the other way: an HDF5 file overwritten as a folder store
+    h5 = tmp_path / "f.h5"
+    extract(h5, "hdf5")
+    with pytest.raises(StoreError, match=r"is a hdf5 store \(one file\), which a npy store \(a folder\) cannot replace"):
+        extract(h5, "npy", overwrite=True)
+    assert layertap.open_features(h5).num_samples == 10
+
+
+def test_metadata_naming_a_users_folder_as_an_array_does_not_make_overwrite_delete_it(tmp_path):
+    out = tmp_path / "s.zarr"
+    extract(out, "zarr")
+    mine = out / "features" / "mine" / "c" / "0"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("precious")
+    meta = json.loads((out / "zarr.json").read_text())
+    lt = meta["attributes"]["layertap"]
+    lt["arrays"].append({"key": "mine", "path": "features/mine", "layer": "mine", "leaf": None, "shape": [3], "dtype": "float32"})
+    lt["layers"].append("mine")
+    (out / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=r"holds what layertap did not write \('features/mine/c/'\)"):
+        extract(out, "zarr", overwrite=True)
+    assert mine.read_text() == "precious"

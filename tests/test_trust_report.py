@@ -232,3 +232,12 @@ def test_the_named_spec_cannot_write_to_the_terminal(base, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "\x1b" not in err and repr(spec) in err
     assert "could not be loaded" in sections(page)["Layers of the model"]
+
+
+def test_control_and_bidirectional_characters_from_a_store_never_reach_the_page(base, tmp_path):
+    """ESC, BEL and U+202E in names a store holds are shown escaped, as on the terminal."""
+    text = "\u202e\x1b[31mRED\x1b]0;title\x07<b>"
+    store = crafted(base, tmp_path, model=f"m{text}", data=f"d{text}")
+    page = build_report(store, tmp_path / "page.html").read_text()
+    assert not any(c in page for c in ("\x1b", "\x07", "\u202e"))
+    assert "\\x1b[31mRED" in page and "\\u202e" in page and "&lt;b&gt;" in page

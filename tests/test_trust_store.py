@@ -121,6 +121,23 @@ def test_an_npy_array_path_leading_out_is_refused_and_the_victim_kept(tmp_path):
     assert (victim / "data.npy").read_bytes() == b"precious"
 
 
+def test_a_zarr_root_metadata_linked_out_of_the_store_is_refused_before_zarr_reads_it(tmp_path, monkeypatch):
+    # the root zarr.json is read by Zarr when the group opens, before the walk for links out
+    out = tmp_path / "s.zarr"
+    extract(out, "zarr").close()
+    elsewhere = tmp_path / "elsewhere.json"
+    os.replace(out / "zarr.json", elsewhere)
+    (out / "zarr.json").symlink_to(elsewhere)
+    import zarr
+
+    opened = []
+    real = zarr.open_group
+    monkeypatch.setattr(zarr, "open_group", lambda *a, **k: opened.append(a) or real(*a, **k))
+    with pytest.raises(StoreError, match=r"its entry 'zarr\.json' leads outside the store \(to .*elsewhere\.json\)") as e:
+        layertap.open_features(out)
+    assert one_line(e.value) and opened == []
+
+
 @pytest.mark.parametrize("format", ["npy", "zarr"])
 def test_a_symlink_leading_out_of_a_store_is_refused(tmp_path, format):
     out = tmp_path / FORMATS[format]

@@ -182,3 +182,13 @@ def test_card_layers_other_than_the_feature_arrays_are_refused(made, tmp_path, l
         assert store.layers == LAYERS
     edit_card(out, "zarr", layers=layers)
     refused(out, "its token card's layers .* are not its feature arrays, \\['layers.0', 'norm'\\]")
+
+
+@pytest.mark.parametrize("count", [-5, True, 2.5, None])
+def test_a_statistics_count_that_is_not_a_count_is_refused(made, tmp_path, count):
+    out = copy(made, tmp_path, "npy")
+    meta = read_meta(out, "npy")
+    for stats in meta["token_stats"].values():
+        stats["count"] = count
+    write_meta(out, "npy", meta)
+    refused(out, r"its statistics of 'layers\.0' are not a count, a mean and std per feature, and a mean norm")

@@ -69,7 +69,8 @@ from torch import nn
 
 from .. import cam
 from ..atomic import check_target, write_atomic
-from ..errors import ArgumentError, require
+from ..errors import ArgumentError, StoreError, require
+from ..printable import printable
 from ..progress import progress_bar
 from ..stats import StatsTable
 from ..store import FeatureStore, open_features
@@ -197,6 +198,8 @@ def build_report(
                     body = build()
                 except Unavailable as e:
                     body = f"<p class='missing'>Not shown: {esc(e)}.</p>"
+                except StoreError:  # a damaged store (a chunk that does not decode) fails the report, in one line
+                    raise
                 except Exception as e:  # one failing section must not cost the rest of the page
                     body = f"<p class='missing'>This section failed: {esc(type(e).__name__)}: {esc(one_line(e))}</p>"
                 sections.append(f"<section id='{key}'><h2>{SECTIONS[key]}</h2>{body}</section>")
@@ -218,8 +221,10 @@ def build_report(
             "nothing from the network. Its short inline script adds the hover cards and search; without it, all else shows."
         ),
     )
-    # whole or not at all: a full disk leaves the old page as it was, and says which file
-    return write_atomic(out, page, "the report")
+    # control and bidirectional characters (ESC, BEL, U+202E) from the store's names made visible, as
+    # in the terminal (markup is escaped where each part is made); whole or not at all: a full disk
+    # leaves the old page as it was, and says which file
+    return write_atomic(out, printable(page, keep="\n\t\r"), "the report")
 
 
 __all__ = ["HISTOGRAM_BINS", "SECTIONS", "build_report"]

@@ -11,6 +11,8 @@ The package, from the bottom up (each file imports only those above it):
   arrays are chunked and filled, and the one codec;
 - `paths`: where a store is (a local path or an fsspec URL: `Location`), what leads out of it,
   and what in its folder layertap did not write;
+- `chunks`: checked Zarr chunk reads: every chunk held to its Blosc header before it is decoded,
+  a chunk that does not decode one `StoreError` line, what is stored listed, not read;
 - `backends`: Zarr, HDF5 and NumPy, one class each of primitive reads and writes, each declaring
   its suffixes, the package it needs and how many writers it takes (`format_for`,
   `detect_format`, `format_package`, `check_writers`): adding a format is one class there;
@@ -33,7 +35,7 @@ The package, from the bottom up (each file imports only those above it):
 """
 
 from ..errors import StoreError
-from . import backends, format, lifecycle, lock, paths, reader, tokens, trust, writer  # noqa: F401  (every part loaded with the package)
+from . import backends, chunks, format, lifecycle, lock, paths, reader, tokens, trust, writer  # noqa: F401  (every part loaded with the package)
 from .reader import FeatureStore, open_features
 from .tokens import TokenStore, open_tokens
 

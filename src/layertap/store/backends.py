@@ -24,6 +24,7 @@ import numpy as np
 
 from ..atomic import sync_path
 from ..errors import StoreError, require
+from .chunks import checked_array, checked_store, stored_indices, stored_markers
 from .format import _LOCK, _NPY_HALF_META, _NPY_META, _ZARR_HALF_META, _Codec, _fit, _marker_width
 from .paths import Location, _bad, _check_inside, _check_no_links_out, _foreign_entries, _names, _one_line, is_url, url_failed, url_fs
 
@@ -148,10 +149,11 @@ class _ZarrBackend(_Backend):
     def __init__(self, path: Location, mode: str) -> None:  # a URL opens through fsspec
         super().__init__(path, mode)
         self.zarr = require(self.PACKAGE, "store")
-        # fsspec's local filesystem (file://) makes no folders unless told to; object stores need none
-        options: dict[str, Any] = {"storage_options": {"auto_mkdir": True}} if str(path).startswith("file://") else {}
+        # every chunk read is checked before it is decoded (store/chunks.py); fsspec's local
+        # filesystem (file://) makes no folders unless told to; object stores need none
+        self.store = checked_store(path, mode == "r", {"auto_mkdir": True} if str(path).startswith("file://") else None)
         # "a", not "w": the folder holds the writer's lock, which "w" would delete
-        self.root = self.zarr.open_group(str(path), mode="a" if mode == "w" else mode, zarr_format=3, **options)
+        self.root = self.zarr.open_group(self.store, mode="a" if mode == "w" else mode, zarr_format=3, use_consolidated=False)
         self._arrays: dict[str, Any] = {}
         self._written: set[str] = set()  # local chunk files written since the last sync
 
@@ -194,6 +196,8 @@ class _ZarrBackend(_Backend):
                     return is_dir  # the array's folder
                 if rest[0] != "c":
                     return len(rest) == 1 and not is_dir and _ZARR_META.fullmatch(rest[0]) is not None
+                if not self.store.holds_array("/".join(parts[:k])):  # chunks of no array Zarr made: metadata naming a user's folder
+                    return False
                 pieces = rest[1:]  # c/0/0/...: a chunk file, or the folders it is in
                 if not all(p.isascii() and p.isdigit() for p in pieces[:-1]):
                     return False
@@ -216,9 +220,8 @@ class _ZarrBackend(_Backend):
         if dtype is str:
             codecs = {}  # variable-length strings have their own codec
         # every chunk is written, even one of fill values only: a missing file then means a damaged store
-        self._arrays[name] = group.create_array(
-            leaf, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype, fill_value=fill, config={"write_empty_chunks": True}, **codecs
-        )
+        array = group.create_array(leaf, shape=shape, chunks=(chunk, *shape[1:]), dtype=dtype, fill_value=fill, config={"write_empty_chunks": True}, **codecs)
+        self._arrays[name] = checked_array(self.store, self.path, name, array)
 
     def array(self, name: str) -> Any:
         if name not in self._arrays:
@@ -235,7 +238,7 @@ class _ZarrBackend(_Backend):
                 raise _bad(self.path, f"array {name!r} uses codecs {sorted(map(str, codecs - _ZARR_CODECS))}, not plain data ones")
             if array.ndim < 1 or tuple(array.chunks[1:]) != tuple(array.shape[1:]) or array.chunks[0] < 1:
                 raise _bad(self.path, f"array {name!r} is chunked {list(array.chunks)}, not in whole samples")
-            self._arrays[name] = array
+            self._arrays[name] = checked_array(self.store, self.path, name, array)
         return self._arrays[name]
 
     def write(self, name: str, start: int, data: np.ndarray) -> None:
@@ -256,20 +259,16 @@ class _ZarrBackend(_Backend):
         markers[chunk] = text
 
     def markers(self) -> dict[int, str]:
-        values = self.array(self.MARKERS)[:]
-        return {int(i): str(values[i]) for i in np.flatnonzero(values != "")}
+        return stored_markers(self.store, self.path, self.array(self.MARKERS), self.MARKERS)
 
     def create_markers(self, n: int, chunk_size: int) -> None:
         # one object per marker: writers of different chunks never touch the same object
-        self._arrays[self.MARKERS] = self.root.create_array(self.MARKERS, shape=(n,), chunks=(1,), dtype=str, fill_value="")
+        array = self.root.create_array(self.MARKERS, shape=(n,), chunks=(1,), dtype=str, fill_value="")
+        self._arrays[self.MARKERS] = checked_array(self.store, self.path, self.MARKERS, array)
 
     def pieces(self, name: str) -> tuple[int, set[int]] | None:
-        """Samples per stored piece of ``name`` and the pieces that exist (local stores only)."""
-        if is_url(self.path):
-            return None
-        folder = Path(self.path) / name / "c"
-        present = {int(p) for p in os.listdir(folder) if p.isdigit()} if folder.is_dir() else set()
-        return self.array(name).chunks[0], present
+        """Samples per stored piece of ``name`` and the pieces that exist (listed, not read)."""
+        return self.array(name).chunks[0], stored_indices(self.store, f"{name}/c/")
 
     def sync(self) -> None:
         # Zarr writes each chunk as a file of its own (atomically, by rename): sync those files

@@ -63,6 +63,12 @@ def open_or_create(
     fmt = format_for(out, format)
     if isinstance(out, Path) and _occupied(out) and detect_format(out) is None:
         raise StoreError(f"{out} exists and is not a layertap feature store: choose another output path")
+    if isinstance(out, Path) and (found := detect_format(out)) and BACKENDS[found].ONE_FILE != BACKENDS[fmt].ONE_FILE:
+        kinds = {True: "one file", False: "a folder"}  # checked before anything is removed: the new store could not be made there
+        raise StoreError(
+            f"{out} is a {found} store ({kinds[BACKENDS[found].ONE_FILE]}), which a {fmt} store ({kinds[BACKENDS[fmt].ONE_FILE]}) "
+            "cannot replace: write to another path, or remove the old store first"
+        )
     made = isinstance(out, Path) and not out.exists()  # a folder made for the lock goes again on failure
     lock = StoreLock(out, fmt).acquire()
     try:

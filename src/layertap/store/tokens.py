@@ -178,7 +178,7 @@ class TokenStore:
         if not isinstance(stats, dict):
             raise _bad(where, "its token statistics are not a record per layer")
         for layer, s in stats.items():
-            if not (isinstance(s, dict) and layer in layers and isinstance(s.get("count"), int) and _is_floats([s.get("mean_norm")], 1)) or not all(
+            if not (isinstance(s, dict) and layer in layers and _is_count(s.get("count")) and _is_floats([s.get("mean_norm")], 1)) or not all(
                 _is_floats(s.get(k), widths[layer]) for k in ("mean", "std")
             ):
                 raise _bad(where, f"its statistics of {layer!r} are not a count, a mean and std per feature, and a mean norm")

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import StoreError
 from ..records import SkippedSample
 from .backends import BACKENDS, _Backend, detect_format
-from .format import _ARRAY_PATH, _STORE_VERSION, Marker, _marker_width, _specs, array_key
+from .format import _ARRAY_PATH, _STORAGE_CHUNK_BYTES, _STORE_VERSION, Marker, _marker_width, _specs, array_key
 from .paths import Location, _bad, _one_line
 
 
@@ -133,11 +133,15 @@ def _check_arrays(backend: _Backend, meta: dict) -> None:
     """Every array the metadata names exists with the rows, shape and dtype it says."""
     rows = _check_ids(backend, meta)
     expected = _check_shapes(backend, meta, rows)
-    done = _check_markers(backend, meta, rows)
     # every written row has its storage: a chunk file lost in a copy is not read as fill values
-    # (stores of version 1 did not write chunks of fill values only)
-    if meta["layertap_store"] >= 2:
-        _check_pieces(backend, meta, [name for name, _, _ in expected] + ["ids"], rows, done)
+    # (stores of version 1 did not write chunks of fill values only); the ids' first, before the
+    # markers are read: the rows a store declares are then rows it holds files of
+    pieces = meta["layertap_store"] >= 2
+    if pieces:
+        _check_pieces(backend, meta, ["ids"], rows, [])
+    done = _check_markers(backend, meta, rows)
+    if pieces:
+        _check_pieces(backend, meta, [name for name, _, _ in expected], rows, done)
 
 
 def _get(backend: _Backend, name: str) -> Any:
@@ -154,6 +158,7 @@ def _check_ids(backend: _Backend, meta: dict) -> int:
     n = meta["num_samples"]
     if rows < 0 or (n is not None and rows != n):
         raise _bad(path, f"its ids hold {list(ids.shape)} entries, not {n} samples")
+    _check_chunking(backend, meta, "ids", ids, rows)
     if meta["ids"] == "index" and not _is_numeric(ids.dtype):
         raise _bad(path, "its ids are not indices, as its metadata says")
     if meta["ids"] == "path" and not backend.is_text(ids):
@@ -174,7 +179,20 @@ def _check_shapes(backend: _Backend, meta: dict, rows: int) -> _Expected:
         array = _get(backend, name)
         if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
             raise _bad(backend.path, f"its array {name!r} is {list(array.shape)} {array.dtype}, its metadata says {list(shape)} {dtype}")
+        _check_chunking(backend, meta, name, array, rows)
     return expected
+
+
+def _check_chunking(backend: _Backend, meta: dict, name: str, array: Any, rows: int) -> None:
+    """Stored chunks (Zarr's, HDF5's) no bigger than layertap makes them: at most ``chunk_size``
+    rows, and no more rows than the array has unless they fit in a stored chunk's bytes
+    (`_storage_rows`): reading one row never inflates more than that (a compression bomb)."""
+    chunks = getattr(array, "chunks", None)
+    if not chunks or rows < 0:
+        return
+    per, row_bytes = int(chunks[0]), max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize)
+    if per > meta["chunk_size"] or (per > rows and per * row_bytes > max(_STORAGE_CHUNK_BYTES, row_bytes)):
+        raise _bad(backend.path, f"its array {name!r} is stored in chunks of {per} rows, more than the {min(rows, meta['chunk_size'])} layertap puts in one")
 
 
 def _check_markers(backend: _Backend, meta: dict, rows: int) -> list[int]:
@@ -208,11 +226,12 @@ def _check_pieces(backend: _Backend, meta: dict, names: list[str], rows: int, do
         if found is None:
             continue
         size, present = found
-        needed = range(-(-rows // size)) if name == "ids" else (
-            p for c in done for p in range(c * chunk // size, -(-min(rows, (c + 1) * chunk) // size))
-        )
-        if missing := sorted(set(needed) - present)[:3]:
-            raise _bad(backend.path, f"the stored pieces {missing} of its array {name!r} are missing (a partial copy?)")
+        have = np.array(sorted(present), dtype=np.int64)
+        spans = [(0, -(-rows // size))] if name == "ids" else [(c * chunk // size, -(-min(rows, (c + 1) * chunk) // size)) for c in done]
+        for start, end in spans:  # counted against the pieces there are: no range of a declared size is made
+            if int(np.searchsorted(have, end) - np.searchsorted(have, start)) < end - start:
+                missing = [p for p in range(start, min(end, start + len(have) + 3)) if p not in present][:3]
+                raise _bad(backend.path, f"the stored pieces {missing} of its array {name!r} are missing (a partial copy?)")
 
 
 # --------------------------------------------------------------------------- the gate
