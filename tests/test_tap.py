@@ -908,3 +908,27 @@ def test_a_write_through_data_after_the_layer_is_learned_and_copied():
     handle.remove()
     assert (seen[0] < 0).any()  # the write would change what was captured
     assert len(t["a"]) == 3 and all(torch.equal(v, ref) for v, ref in zip(t["a"], seen))
+
+
+def test_a_nested_tensor_that_cannot_be_reduced_names_the_fast_path_and_the_fix():
+    from layertap.attention import attention
+
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).eval()  # nested tensors by default
+    x, padding = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with pytest.raises(TapError, match=r"nested tensor \(nn.TransformerEncoder's fast path.*enable_nested_tensor=False"), torch.no_grad():
+        with layertap.tap(encoder, "layers.0", reduce="mean"):
+            encoder(x, src_key_padding_mask=padding)
+    with pytest.raises(TapError, match=r"nested tensor.*enable_nested_tensor=False"), torch.no_grad():
+        with attention(encoder, "layers.0.self_attn"):
+            encoder(x, src_key_padding_mask=padding)
+    assert hook_state(encoder) == hook_state(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2))
+
+
+def test_a_failing_observe_function_is_named_among_the_fixes():
+    def observe(name, kind, call, value):
+        raise ValueError("my bug")
+
+    model = MLP()
+    with pytest.raises(TapError, match=r"or the observe= function.*ValueError: my bug"):
+        with layertap.tap(model, "fc1", observe=observe):
+            model(torch.randn(1, 784))

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import nested
 from .attention_weights import (
     HEADS,
     ROW_SLICES,
@@ -238,10 +239,14 @@ class Attention(Mapping[str, torch.Tensor]):
         except Exception as e:  # name the module: the traceback would point into the model's forward
             op = self._selection.ops.get(name)
             module, what = (name, "inputs") if op is None else (op.module, f"{op.op} {kind}")
+            nested_input = any(t.is_nested for t in nested.tensors(value.args if isinstance(value, Inputs) else value))
+            fix = (
+                "its input is a nested tensor (nn.TransformerEncoder's fast path in eval with a padding mask): build the "
+                "encoder with enable_nested_tensor=False" if nested_input else "Leave it out with layers=, or report the model"
+            )
             raise TapError(
                 f"layertap.attention could not recompute the attention of {module!r} "
-                f"({type(self.sites[module]).__name__}) from its {what}: "
-                f"{type(e).__name__}: {e}. Leave it out with layers=, or report the model"
+                f"({type(self.sites[module]).__name__}) from its {what}: {type(e).__name__}: {e}. {fix}"
             ) from e
 
     def _read(self, name: str, kind: str, value: Any) -> None:

@@ -10,9 +10,11 @@ document's feature does not depend on its batch-mates' padding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from .. import nested
 from ..errors import ArgumentError, TapError
 from . import masks
 
@@ -151,14 +153,18 @@ def make_transform(
     return transform
 
 
-def capture_failed(what: str, name: str, module: torch.nn.Module, exc: Exception) -> TapError:
-    """The error for the tap's own work failing inside a hook, e.g. a value it cannot rebuild."""
+def capture_failed(what: str, name: str, module: torch.nn.Module, exc: Exception, value: Any, observing: bool) -> TapError:
+    """The error for the tap's own work failing inside a hook, e.g. a value it cannot rebuild
+    (or the ``observe=`` function failing, when there is one)."""
     # under vmap/grad the layer sees wrapped tensors, which have no memory of their own to copy
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    fix = (
-        "it ran inside a torch.func transform (vmap, grad, jacrev...), whose tensors cannot leave it: "
-        "call the model outside the transform while it is tapped"
-        if peek is not None and peek() is not None
-        else "change to=, dtype= or reduce=, or tap another layer"
-    )
+    if peek is not None and peek() is not None:
+        fix = "it ran inside a torch.func transform (vmap, grad, jacrev...), whose tensors cannot leave it: call the model outside the transform while it is tapped"
+    elif any(t.is_nested for t in nested.tensors(value)):
+        fix = (
+            "its value is a nested tensor (nn.TransformerEncoder's fast path in eval with a padding mask), "
+            "which cannot be reduced or read as one: build the encoder with enable_nested_tensor=False, or tap another layer"
+        )
+    else:
+        fix = f"change to=, dtype= or reduce={', or the observe= function' if observing else ''}, or tap another layer"
     return TapError(f"layertap could not capture the {what} of layer {name!r} ({type(module).__name__}); {fix}. {type(exc).__name__}: {exc}")

@@ -296,7 +296,7 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:  # costs nothing unless raised
-            raise capture_failed("input", name, module, e) from e
+            raise capture_failed("input", name, module, e, value, self._observe is not None) from e
         if self._only_inputs:
             self._fire(name)
         return value
@@ -313,7 +313,7 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:
-            raise capture_failed("output", name, module, e) from e
+            raise capture_failed("output", name, module, e, output, self._observe is not None) from e
         self._fire(name)
         return output
 
@@ -384,7 +384,7 @@ class Tap(Mapping):
         except LayertapError:
             raise
         except Exception as e:
-            raise capture_failed("input", name, module, e) from e
+            raise capture_failed("input", name, module, e, value, self._observe is not None) from e
 
     def _found(self, name: str, site: OpName, module: nn.Module, value: Any, call: Call, index: int, grads: Gradients | None) -> None:
         """A call of an op of a module tapped whole (``"module:*"``) that returned a tensor: tapped from now on."""
