@@ -571,3 +571,14 @@ def test_values_beyond_float16_are_named_with_the_fix(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # bfloat16 holds them
         run(ref, TEXTS[:4], tmp_path / "b.zarr", dtype=torch.bfloat16)
+
+
+def test_a_tokens_function_that_raises_is_named_with_its_unit(llama, tmp_path):
+    def last_word(ids, mask, special):
+        keep = torch.zeros(len(ids), dtype=torch.bool)
+        keep[(special == 0).nonzero().max()] = True  # fails on a unit of special tokens only
+        return keep
+
+    with pytest.raises(layertap.ArgumentError, match=r"tokens= function raised RuntimeError .* on unit \d+ of 1 tokens \(1 special\)"):
+        # one document, as long as a context: its separator makes a second context alone
+        run(llama, TEXTS[:1], tmp_path / "p.zarr", tokens=last_word, pack=True, max_length=len(llama.tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]))

@@ -118,7 +118,13 @@ def _select(tokens: TokenPolicy, ids: np.ndarray, special: np.ndarray, ends: np.
         return np.flatnonzero(ends).astype(np.int64)
     assert callable(tokens)
     t = torch.from_numpy(ids)
-    mask = tokens(t, torch.ones_like(t), torch.from_numpy(special.astype(np.int64)))
+    try:
+        mask = tokens(t, torch.ones_like(t), torch.from_numpy(special.astype(np.int64)))
+    except Exception as e:  # a rule written for documents may meet a unit of special tokens only (a packed context's end)
+        raise ArgumentError(
+            f"the tokens= function raised {type(e).__name__} ({e}) on unit {unit} of {len(ids)} tokens "
+            f"({int(special.sum())} special): make it handle every unit it is given"
+        ) from e
     if not isinstance(mask, torch.Tensor) or mask.shape != t.shape:
         got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ArgumentError(f"the tokens= function returned {got} for unit {unit} of {len(ids)} tokens: it must return a bool tensor of the input_ids' shape")
