@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -426,3 +427,19 @@ def test_a_replaced_op_is_seen_by_the_taps_entered_before_the_one_that_replaces_
         model(x)
     assert torch.equal(seen[":sigmoid"], torch.sigmoid(x) / 2)
     assert torch.equal(t["lin"], model.lin(torch.sigmoid(x) / 2 * x))
+
+
+@pytest.mark.parametrize("option", ["edit", "replace"])
+def test_an_edit_or_replacement_of_an_op_the_module_never_calls_is_warned_of(option):
+    # nothing is read that would raise: the change did nothing, and the warning says so
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(1, 3, 32, 32)
+    change = (lambda name, out: out * 0) if option == "edit" else (lambda name, func, args, kwargs: func(*args, **kwargs) * 0)
+    with pytest.warns(UserWarning, match=r"'layer1:add_' changed nothing: the forward of 'layer1' ran without that call.*belong to the child"):
+        with torch.no_grad(), layertap.tap(model, "layer1.0", **{option: {"layer1:add_": change}}):  # the add_ is layer1.0's
+            model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a change that ran: no warning
+        with torch.no_grad(), layertap.tap(model, "layer1.0", **{option: {"layer1.0:add_": change}}):
+            model(x)

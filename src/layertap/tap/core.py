@@ -108,7 +108,7 @@ class Tap(Mapping):
         self._runs = runs.functions
         self._modules.update(edits.modules | runs.modules)
         self._sites.update((name, op) for name, op in (edits.ops | runs.ops).items() if name not in self._sites)
-        self._ops = OpTaps(self._sites, chosen.star, self._modules, weak(self._op_hook))
+        self._ops = OpTaps(self._sites, chosen.star, self._modules, weak(self._op_hook), changes={*self._edits, *self._runs})
         if self._ops and self._kept.parallel:
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
         gather = None if sharded is None else lambda t: whole(t, options.gather)

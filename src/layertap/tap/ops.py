@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -197,11 +198,15 @@ OpHook = Callable[[str, list[str], "OpName | None", Callable[[Any], bool], Any, 
 class OpTaps:
     """The ops a tap watches: per module the ops tapped or edited, and the modules tapped whole (``"MODULE:*"``)."""
 
-    def __init__(self, sites: Mapping[str, OpName], star: Iterable[str], modules: Mapping[str, nn.Module], hook: OpHook) -> None:
+    def __init__(
+        self, sites: Mapping[str, OpName], star: Iterable[str], modules: Mapping[str, nn.Module], hook: OpHook, changes: Iterable[str] = ()
+    ) -> None:
         # module name -> op -> [(tap name, the K of "#K" or None)]: tapped and edited ops
         self.sites: dict[str, dict[str, list[tuple[str, int | None]]]] = {}
         for name, op in sites.items():
             self.sites.setdefault(op.module, {}).setdefault(op.op, []).append((name, op.call))
+        self._changes = {name: sites[name] for name in changes if name in sites}  # edited or replaced ops: nothing to read them by
+        self._completed: set[str] = set()  # modules whose framed forward ran to its end
         self.star = set(star)
         self._modules = modules
         self._hook = hook
@@ -238,11 +243,26 @@ class OpTaps:
             handles.append(module.register_forward_hook(see, always_call=True))
         for site in sited:
             self._frame_forward(self._modules[site], site, restore)
+        if self._changes:
+            restore.callback(self._unused)
+
+    def _unused(self) -> None:
+        """Warn of an edited or replaced op that a whole forward of its module never called: its
+        change did nothing, and unlike a captured op nothing is read that would say so."""
+        for name, op in self._changes.items():
+            seen = self.seen.get(op.module, {})
+            if op.module in self._completed and seen.get(op.op, 0) < (op.call or 1):
+                calls = ", ".join(sorted(seen)) or "no torch function that returns a tensor"
+                warnings.warn(
+                    f"layertap: edit=/replace= {name!r} changed nothing: the forward of {op.module!r} ran without that call "
+                    f"(its own calls: {calls}); ops inside a child module belong to the child",
+                    stacklevel=4,
+                )
 
     def _frame_forward(self, module: nn.Module, name: str, restore: contextlib.ExitStack) -> None:
         """Run ``module``'s own forward (not its hooks) in a frame in which its ops are seen."""
         thread = self._thread
-        sites, star, seen = self.sites.get(name, {}), name in self.star, self.seen
+        sites, star, seen, completed = self.sites.get(name, {}), name in self.star, self.seen, self._completed
         inner = module.forward
         own = module.__dict__.get("forward")
 
@@ -255,7 +275,9 @@ class OpTaps:
             if not depth:
                 mode.__enter__()
             try:
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
+                completed.add(name)
+                return out
             finally:
                 del frames[depth:]  # also the blind frames of a child a KeyboardInterrupt cut short
                 if not depth:
