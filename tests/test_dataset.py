@@ -376,3 +376,20 @@ def test_peak_memory_does_not_grow_with_the_number_of_samples(tmp_path):
     small, large = start(200), start(1600)  # side by side: each reads its own peak
     small_run, large_run = peak(small), peak(large)
     assert large_run < small_run * 1.10, (small_run, large_run)
+
+
+def test_a_layer_run_twice_per_forward_is_stored_as_its_first_call_whatever_else_is_chosen(tmp_path):
+    # resnet's block ReLU runs twice; FX's node without a suffix is the first call. Before, the
+    # store held the first call alone and the second beside a later layer: both now hold the first
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    data = torch.randn(6, 3, 32, 32)
+    with torch.no_grad():
+        want = create_feature_extractor(model, return_nodes=["layer1.0.relu"])(data)["layer1.0.relu"]
+    alone = layertap.extract_dataset(model, data, "layer1.0.relu", out=tmp_path / "a.zarr", batch_size=4, progress=False)
+    with_later = layertap.extract_dataset(model, data, ["layer1.0.relu", "fc"], out=tmp_path / "b.zarr", batch_size=4, progress=False)
+    for store in (alone, with_later):
+        torch.testing.assert_close(store.to_torch("layer1.0.relu"), want, rtol=1e-5, atol=1e-6)  # another batch split than FX's
+        assert store.meta["settings"]["calls"] == "first"

@@ -54,7 +54,8 @@ class SampleForward:
             return pool(t)
 
         # one Tap, entered per batch: it learns once which values need copying (see layertap.tap)
-        self.tap: Tap = tap(model, names, reduce=reduce_recording if pool is not None else None, dtype=dtype, stop_early=True)
+        # keep="first": the forward stops after each layer's first call (a later call would depend on what else is chosen)
+        self.tap: Tap = tap(model, names, reduce=reduce_recording if pool is not None else None, dtype=dtype, stop_early=True, keep="first")
         self.batch_first: set[tuple[str, int | None]] = set()  # the leaves proven batch-first
 
     def __call__(self, inputs: Any, n: int) -> Leaves:
@@ -72,6 +73,7 @@ class SampleForward:
         return leaves
 
     def _run(self, inputs: Any) -> Leaves:
+        self.tap.clear()  # keep="first" keeps the first call since clear(): this batch's
         with running(self.model), self.tap:
             run_model(self.model, inputs)
         leaves = {}

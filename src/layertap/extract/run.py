@@ -172,7 +172,9 @@ def extract_dataset(
         )
 
     def make(procs: Processes) -> _Run:
-        settings = _settings(model, names, reduce, dtype, source)
+        # a layer that runs several times per forward: its first call, whatever else is chosen (stores
+        # made before said nothing, and kept the last call where a later layer was chosen: not resumed)
+        settings = {**_settings(model, names, reduce, dtype, source), "calls": "first"}
         _check_same_everywhere(procs, settings)
         meta = _store_meta(settings, info.spec or type(model).__name__, source, fmt)
         forward = SampleForward(model, names, reduce, dtype, run_device)

@@ -28,7 +28,10 @@ from .writer import StoreWriter
 
 def settings_differences(old: Mapping, new: Mapping, sep: str) -> str:
     """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
-    what = {"model": "model (fingerprint of its state, tree and code)", "ids": "sample ids (digest)"}
+    what = {
+        "model": "model (fingerprint of its state, tree and code)", "ids": "sample ids (digest)",
+        "calls": "call of a layer run several times per forward (a store made before said none: made anew)",
+    }  # fmt: skip
     return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
 
 
