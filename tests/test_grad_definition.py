@@ -430,3 +430,21 @@ def test_an_in_place_op_on_a_passed_on_input_is_warned_of(middle, capture):
         with layertap.tap(model, "middle", capture=capture):
             model(x).pow(2).sum().backward()
     torch.testing.assert_close(model.a.weight.grad, expected)
+
+
+def test_an_input_that_carries_no_gradient_is_not_warned_of():
+    class NoGradientBefore(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.middle, self.b = nn.Identity(), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x * 2  # no parameter before: nothing upstream to lose a gradient
+            return self.b(self.middle(h).relu_()) + h
+
+    model = NoGradientBefore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with layertap.tap(model, "middle", capture="grad") as t:
+            model(torch.randn(4, 8)).sum().backward()
+    assert t.grads["middle"].shape == (4, 8)

@@ -427,3 +427,38 @@ def test_a_module_given_a_4d_mask_leaves_the_callers_mask_in_force():
     with layertap.tap(Model(), "layer", reduce="mean") as t:
         t.model(ids, mask)
     assert t["layer"].flatten().tolist() == [4.0, 9.0]
+
+
+def test_longformers_additive_inner_mask_leaves_the_models_mask_in_force():
+    """Longformer hands its encoder a float 2-D mask, 0 for a real token: not a padding mask."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LongformerConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64, attention_window=4, max_position_embeddings=64, pad_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LongformerModel(config).eval()
+    ids, mask = torch.randint(3, 100, (2, 8)), torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    ids[1, 5:] = 1
+    seen = cloned(model, ["encoder.layer.0"], input_ids=ids, attention_mask=mask)
+    with torch.no_grad(), layertap.tap(model, "encoder.layer.0", reduce="mean") as t:
+        model(input_ids=ids, attention_mask=mask)
+    close(first(t["encoder.layer.0"]), masked_mean(seen["encoder.layer.0"], mask))
+
+
+def test_an_inner_mask_of_another_shape_is_passed_over():
+    class Layer(nn.Module):
+        def forward(self, hidden, attention_mask):  # a causal [T, T] mask, of no batch
+            return hidden + attention_mask.sum()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer()
+
+        def forward(self, input_ids, attention_mask):
+            causal = torch.ones(input_ids.size(1), input_ids.size(1), dtype=torch.bool).tril()
+            return self.layer(input_ids[..., None].float(), attention_mask=causal)
+
+    ids, mask = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with layertap.tap(Model(), "layer", reduce="mean") as t:
+        t.model(ids, mask)
+    assert t["layer"].flatten().tolist() == [2.0 + 6, 4.5 + 6]  # the model's mask: the pad left out

@@ -932,3 +932,4 @@ def test_a_failing_observe_function_is_named_among_the_fixes():
     with pytest.raises(TapError, match=r"or the observe= function.*ValueError: my bug"):
         with layertap.tap(model, "fc1", observe=observe):
             model(torch.randn(1, 784))
+    assert hook_state(model) == hook_state(MLP())

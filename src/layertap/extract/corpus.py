@@ -291,6 +291,7 @@ def read_corpus(texts: Any, *, text_field: str = "text", id_field: str | None = 
             raise DataError(f"texts is a {type(texts).__name__} of the splits {splits}: give one split, e.g. texts[{splits[0] if splits else 'train'!r}]")
         docs, ids = _columns(texts.column_names, lambda c: texts[c], text_field, id_field, "the dataset")
         if docs and _is_ids(docs[0]):
+            _single_segments({k: texts[k] for k in ("token_type_ids", "position_ids", "inputs_embeds") if k in texts.column_names})
             return Corpus(docs, ids, f"a dataset of {len(docs)} tokenized documents", True)
         return Corpus(docs, ids, f"a dataset of {len(docs)} documents", False)
     if isinstance(texts, Mapping):  # a dict, or a tokenizer's BatchEncoding

@@ -115,7 +115,8 @@ def check_positions(model: nn.Module, longest: int, batch_size: int) -> None:
         kind = r.get("rope_type", r.get("type"))
         if kind not in ("dynamic", "longrope") or (kind == "longrope" and batch_size == 1):
             continue
-        limit = r.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        # "dynamic" scales beyond the model's own positions; "longrope" beyond the original ones it names
+        limit = None if kind == "dynamic" else r.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
         limit = limit if isinstance(limit, int) else getattr(config, "max_position_embeddings", None)
         if isinstance(limit, int) and longest > limit:
             fix = f"pass max_length={limit} or less" + (", or batch_size=1" if kind == "longrope" else "")

@@ -57,7 +57,7 @@ from .copies import Copies
 from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
-from .ops import OpTaps, hidden, op_name, shown, weak
+from .ops import OpTaps, hidden, op_name, returns_tensor, shown, weak
 from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
 from .recompute import recomputing
 from .sharded import Sharded, whole
@@ -321,7 +321,7 @@ class Tap(Mapping):
         """One call of a tapped op, or of any op of a module tapped whole (``star``), inside its
         module's forward (see `layertap.tap.ops`): captured as a module's call would be."""
         if recomputing():  # a checkpoint's recomputation: the op runs (or is replaced) and is edited again, nothing taken
-            return self._edited(hits, self._run(hits, func, args, kwargs))
+            return self._edited(hits, out) if returns_tensor(out := self._run(hits, func, args, kwargs)) else out
         tapped = [name for name in hits if name in self._tapped]
         module = self._modules[owner]
         # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -91,8 +92,9 @@ class Call:
         self.given = {id(t): t._version for t in self.inputs}
 
     def passed_on(self, t: torch.Tensor) -> bool:
-        """Whether ``t``, returned by the layer, is (a view of) one of its inputs, unchanged."""
-        return any(shares_memory(t, i) and self.given[id(i)] == i._version for i in self.inputs)
+        """Whether ``t``, returned by the layer, is (a view of) one of its inputs that carries a
+        gradient, unchanged."""
+        return any(i.requires_grad and shares_memory(t, i) and self.given[id(i)] == i._version for i in self.inputs)
 
     def rebase(self) -> None:
         """After the call: a tensor the layer changed in place through its alias gets that history too."""
@@ -118,6 +120,13 @@ def _hookable(t: torch.Tensor, kind: str, call: Call) -> torch.Tensor:
     if kind == "grad_input":
         call.swaps.append((t, alias, alias._version))
     return alias
+
+
+class _Passing(threading.local):
+    """One thread's tensors that layers passed on of their input: ``(layer, tensor, version)``."""
+
+    def __init__(self) -> None:
+        self.passed: list[tuple[str, torch.Tensor, int]] = []
 
 
 class _Slot:
@@ -164,13 +173,14 @@ class Grads:
         self._put = put
         # (name, id(module)) -> the running calls of a layer whose gradients are tapped, innermost last
         self.open: dict[tuple[str, int], list[Call]] = {}
-        # what layers passed on of their input this forward, and its version then (`forward_ended`)
-        self._passed: list[tuple[str, torch.Tensor, int]] = []
+        # what layers passed on of their input in this thread's forward, and its version then
+        # (`forward_ended`; per thread: nn.DataParallel's replicas each run a forward)
+        self._passing = _Passing()
         self._warned: set[str] = set()
 
     def forward_started(self) -> None:
         self.open.clear()  # calls a raising forward left open
-        self._passed.clear()
+        self._passing.passed.clear()
 
     def forward_ended(self) -> None:
         """Warn once per layer whose passed-on input an in-place op changed later in the forward.
@@ -178,7 +188,8 @@ class Grads:
         The one case the aliases cannot keep exact (see the module docstring): the tensor the
         layer was given is also read downstream, and that read carries the history before the
         in-place op, so the model's own gradients would differ while tapped."""
-        for name, t, version in self._passed:
+        passed = self._passing.passed
+        for name, t, version in passed:
             if t._version != version and name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(
@@ -188,7 +199,7 @@ class Grads:
                     "or after it instead, or capture outputs only",
                     stacklevel=2,
                 )
-        self._passed.clear()
+        passed.clear()
 
     def opened(self, name: str, module: nn.Module, call: Call) -> None:
         """``call`` of layer ``name`` started (its pre-hook saw what it was given)."""
@@ -205,7 +216,7 @@ class Grads:
     def passed(self, name: str, call: Call, value: Any) -> None:
         """Note the tensors of ``value`` that a layer passed on of its input (`forward_ended` checks them)."""
         if call.inputs:
-            self._passed += [(name, t, t._version) for t in nested.tensors(value) if call.passed_on(t)]
+            self._passing.passed += [(name, t, t._version) for t in nested.tensors(value) if call.passed_on(t)]
 
     def watch(
         self, kind: str, name: str, index: int, value: Any, part: int | None, call: Call, wanted: bool, put: bool = True

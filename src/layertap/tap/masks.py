@@ -14,7 +14,9 @@ they make a document's feature depend on its batch-mates. The mask comes from th
   each tapped layer whose forward takes an ``attention_mask`` are hooked too, and the innermost
   running call that was given one decides: a ``[B, T]`` mask, or none (BART's decoder called
   with ``attention_mask=None``, CLIP's vision encoder). A 4-D mask, made for attention from the
-  2-D one, decides nothing: the caller's mask still holds. Cost: two hooks on each such module.
+  2-D one, decides nothing: the caller's mask still holds; nor does a floating-point 2-D mask
+  given to an inner module (an additive bias: Longformer's encoder gets 0 for a real token), and
+  a mask of another shape than the tensor's is passed over. Cost: two hooks on each such module.
 - `real_tokens(batch, length)` is the running mask as booleans if it is ``[batch, length]``, else
   None: only a 2-D mask of exactly that shape counts, so a vision model, a pooled output or a
   sequence the model lengthened (a prepended token) are reduced as before. A nonzero entry is a
@@ -118,7 +120,9 @@ _UNSET = object()
 def _decision(args: tuple, kwargs: dict, parameter: _Parameter, root: bool) -> tuple[bool, torch.Tensor | None]:
     """Whether a call decides the running mask, and the ``[B, T]`` mask it gives (None: none).
     A 4-D mask (made for attention from the 2-D one) decides nothing: the caller's mask still
-    holds for the tokens; so does a ``**kwargs`` forward called without one."""
+    holds for the tokens; nor does a floating-point 2-D mask given to an inner module (an
+    additive bias, as Longformer's encoder is given: 0 for a real token), nor a ``**kwargs``
+    forward called without one."""
     mask: Any = kwargs.get("attention_mask", _UNSET)
     if mask is _UNSET and parameter.at is not None and len(args) > parameter.at:
         mask = args[parameter.at]
@@ -130,7 +134,7 @@ def _decision(args: tuple, kwargs: dict, parameter: _Parameter, root: bool) -> t
         mask = None  # the parameter's default: called without a mask
     if mask is None:
         return True, None
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and (root or not mask.is_floating_point()):
         return True, mask
     return False, None
 
@@ -211,13 +215,16 @@ def watch(model: nn.Module, inner: list[nn.Module]) -> list[RemovableHandle]:
 
 def real_tokens(batch: int, length: int) -> torch.Tensor | None:
     """The running mask as a bool ``[batch, length]`` tensor: that of the innermost running call
-    that decides one, if it has that shape; else None."""
+    that decides one with that shape (a call given none ends the search: its tokens have none);
+    else None. A mask of another shape (a causal ``[T, T]`` one, another stream's) is passed over."""
     for call in reversed(_RUNNING.calls):
         if not call.decides or not call.owner.hooked():
             continue
         given = call.given
-        if given is None or given.shape != (batch, length):
+        if given is None:
             return None
+        if given.shape != (batch, length):
+            continue
         if call.real is None:
             call.real = given if given.dtype == torch.bool else given != 0
         return call.real
