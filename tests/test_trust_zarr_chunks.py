@@ -185,18 +185,19 @@ def test_a_zstd_chunk_declaring_far_more_rows_than_the_array_is_refused_at_open(
     (out / "features/0/c/0").mkdir(parents=True)
     (out / "features/0/c/0/0").write_bytes(numcodecs.Zstd(level=3).encode(np.zeros((rows, 3), "<f4").tobytes()))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(StoreError, match=r"its array 'features/0' is stored in chunks of 10000000 rows, more than the 4 layertap puts in one") as e:
+    with pytest.raises(StoreError, match=r"its array 'features/0' is stored in chunks of 10000000 rows, more than the 4 rows layertap puts in one") as e:
         layertap.open_features(out)
     one_line(e)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KB: nothing inflated
 
 
 def test_ids_chunks_of_more_rows_than_the_store_has_are_refused(tmp_path):
+    # chunk_size is the store's own word: the chunk is bounded in bytes whatever it says
     out = tmp_path / "s.zarr"
     extract(out)
     edit_meta(out, lambda m: m.update(chunk_size=10**8, complete=True))
     edit(out / "ids/zarr.json", lambda d: d["chunk_grid"]["configuration"].update(chunk_shape=[10**8]))
-    with pytest.raises(StoreError, match=r"its array 'ids' is stored in chunks of 100000000 rows, more than the 10 layertap puts in one"):
+    with pytest.raises(StoreError, match=r"its array 'ids' is stored in chunks of 100000000 rows, more than 268.4 MB layertap puts in one"):
         layertap.open_features(out)
 
 
@@ -275,3 +276,23 @@ def test_the_report_command_fails_on_a_damaged_chunk(tmp_path):
     last = run.stderr.strip().splitlines()
     assert len(last) == 1 and "a chunk of its array 'features/0' is damaged (features/0/c/1/0" in last[0]
     assert not (tmp_path / "r.html").exists()
+
+
+def test_every_way_zarr_reads_a_chunk_goes_through_the_check(tmp_path):
+    # the wrapper's own _get_many would hand requests to the inner store unchecked
+    import asyncio
+
+    from zarr.core.buffer import default_buffer_prototype
+
+    from layertap.store.chunks import checked_store
+
+    out = tmp_path / "s.zarr"
+    extract(out)
+    store = checked_store(out, True, None)
+    requests = [("features/0/c/0/0", default_buffer_prototype(), None)]
+
+    async def many():
+        return [item async for item in store._get_many(requests)]
+
+    with pytest.raises(StoreError, match=r"a chunk of no array layertap checked"):  # no array registered: refused
+        asyncio.run(many())

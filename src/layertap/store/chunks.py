@@ -158,6 +158,11 @@ def _store_class() -> type:
         async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
             return self._checked(key, await self._store.get(key, prototype, byte_range), byte_range)
 
+        async def _get_many(self, requests: Iterable[tuple[str, Any, Any]]) -> Any:
+            # the wrapper's own hands requests to the inner store unchecked: each goes through `get`
+            for key, prototype, byte_range in requests:
+                yield key, await self.get(key, prototype, byte_range)
+
         async def get_partial_values(self, prototype: Any, key_ranges: Iterable[tuple[str, Any]]) -> list[Any]:
             key_ranges = list(key_ranges)
             found = await self._store.get_partial_values(prototype, key_ranges)

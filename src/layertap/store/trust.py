@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import StoreError
 from ..records import SkippedSample
+from ..units import human_bytes
 from .backends import BACKENDS, _Backend, detect_format
 from .format import _ARRAY_PATH, _STORAGE_CHUNK_BYTES, _STORE_VERSION, Marker, _marker_width, _specs, array_key
 from .paths import Location, _bad, _one_line
@@ -183,16 +184,23 @@ def _check_shapes(backend: _Backend, meta: dict, rows: int) -> _Expected:
     return expected
 
 
+_LARGEST_CHUNK_BYTES = 256 << 20  # a stored chunk of ids or labels: chunk_size rows of at most 8 bytes, 32 M rows
+
+
 def _check_chunking(backend: _Backend, meta: dict, name: str, array: Any, rows: int) -> None:
     """Stored chunks (Zarr's, HDF5's) no bigger than layertap makes them: at most ``chunk_size``
     rows, and no more rows than the array has unless they fit in a stored chunk's bytes
-    (`_storage_rows`): reading one row never inflates more than that (a compression bomb)."""
+    (`_storage_rows`): reading one row never inflates more than that (a compression bomb). Both
+    numbers come from the store itself, so a chunk is also bounded in bytes whatever they say
+    (`_LARGEST_CHUNK_BYTES`: an ids or labels chunk is ``chunk_size`` rows, which the user sets)."""
     chunks = getattr(array, "chunks", None)
     if not chunks or rows < 0:
         return
     per, row_bytes = int(chunks[0]), max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize)
-    if per > meta["chunk_size"] or (per > rows and per * row_bytes > max(_STORAGE_CHUNK_BYTES, row_bytes)):
-        raise _bad(backend.path, f"its array {name!r} is stored in chunks of {per} rows, more than the {min(rows, meta['chunk_size'])} layertap puts in one")
+    big = per * row_bytes > max(_LARGEST_CHUNK_BYTES, row_bytes)
+    if big or per > meta["chunk_size"] or (per > rows and per * row_bytes > max(_STORAGE_CHUNK_BYTES, row_bytes)):
+        most = f"{human_bytes(_LARGEST_CHUNK_BYTES)}" if big else f"the {min(rows, meta['chunk_size'])} rows"
+        raise _bad(backend.path, f"its array {name!r} is stored in chunks of {per} rows, more than {most} layertap puts in one")
 
 
 def _check_markers(backend: _Backend, meta: dict, rows: int) -> list[int]:
