@@ -174,6 +174,11 @@ def test_attention_kernel_eager_runs_again_in_the_recomputation():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=name)
     for got, want in zip(att.values(), out.attentions, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    # the recomputation, after the model's call, knows no mask: the maps kept are the forward's
+    with attention(fused, heads="all", rows="last", kernel="eager") as last:
+        fused(ids, attention_mask=mask).last_hidden_state.pow(2).sum().backward()
+    for got, want in zip(last.values(), out.attentions, strict=True):
+        torch.testing.assert_close(got[:, :, 0], torch.stack([want[0, :, 6], want[1, :, 3]]), rtol=1e-9, atol=1e-10)
 
 
 def test_reentrant_checkpoint_outputs_once_and_gradients_refused_naming_the_fix():

@@ -368,6 +368,23 @@ def test_an_encoder_decoders_decoder_is_pooled_under_its_own_mask_not_the_encode
         close(first(t["decoder.layers.1"]), want)
 
 
+def test_a_cross_attention_given_no_mask_leaves_the_decoders_in_force():
+    """With an unpadded encoder, BART's cross-attention is called with attention_mask=None (its
+    keys, the encoder's, have no padding): its queries are the decoder's, still padded."""
+    model = bart()
+    ids, decoder_ids = torch.randint(3, 100, (2, 6)), torch.randint(3, 100, (2, 6))
+    decoder_mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    layers = ["decoder.layers.0.encoder_attn.q_proj", "decoder.layers.0.encoder_attn"]
+    kwargs = {"input_ids": ids, "decoder_input_ids": decoder_ids, "decoder_attention_mask": decoder_mask}
+    seen = cloned(model, layers, **kwargs)
+    for reduce in ("mean", "last"):
+        with torch.no_grad(), layertap.tap(model, layers, reduce=reduce) as t:
+            model(**kwargs)
+        for name in layers:
+            want = masked_mean(seen[name], decoder_mask) if reduce == "mean" else torch.stack([seen[name][0, 5], seen[name][1, 2]])
+            close(first(t[name]), want)
+
+
 def test_attention_rows_last_of_a_decoder_is_its_own_last_token():
     import copy
 
@@ -401,11 +418,12 @@ def test_a_vision_tower_is_not_pooled_under_the_texts_mask():
     model = transformers.CLIPModel(config).eval()
     ids, mask = torch.randint(3, 100, (2, 5)), torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])  # 5 text tokens, 1 + 2 x 2 image tokens
     pixels = torch.randn(2, 3, 32, 32)
-    layers = ["vision_model.encoder.layers.0", "text_model.encoder.layers.0"]
+    layers = ["vision_model.encoder.layers.0", "vision_model.pre_layrnorm", "text_model.encoder.layers.0"]
     seen = cloned(model, layers, input_ids=ids, attention_mask=mask, pixel_values=pixels)
     with torch.no_grad(), layertap.tap(model, layers, reduce="mean") as t:
         model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
     close(first(t["vision_model.encoder.layers.0"]), seen["vision_model.encoder.layers.0"].mean(1))
+    close(first(t["vision_model.pre_layrnorm"]), seen["vision_model.pre_layrnorm"].mean(1))  # before the vision encoder: the tower's
     close(first(t["text_model.encoder.layers.0"]), masked_mean(seen["text_model.encoder.layers.0"], mask))
 
 

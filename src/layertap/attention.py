@@ -79,6 +79,7 @@ from .select import Layers, OpName, Spec, selection
 from .tap import Inputs, Tap, masks, tap
 from .tap.controls import shares_memory
 from .tap.ops import running_call
+from .tap.recompute import recomputing
 
 Kernel = Literal["fused", "eager"]
 KERNELS: tuple[str, ...] = ("fused", "eager")
@@ -329,9 +330,10 @@ class Attention(Mapping[str, torch.Tensor]):
                 f"layertap.attention (kernel='eager') could not compute the attention of {op.module!r} "
                 f"({type(self.sites[op.module]).__name__}): {type(e).__name__}: {e}. Use kernel='fused', or leave it out with layers="
             ) from e
-        self._sdpa.add(op.module)
-        at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
-        self._put(op.module, fuse_heads(_four_d(take_rows(weights.detach(), at, weights.dim())), self.heads))
+        if not recomputing():  # a checkpoint's recomputation computes again what the forward kept
+            self._sdpa.add(op.module)
+            at = _rows_at(self.rows, weights.size(0), weights.size(-2), weights.device)
+            self._put(op.module, fuse_heads(_four_d(take_rows(weights.detach(), at, weights.dim())), self.heads))
         return out
 
     def _from_mha(self, name: str, value: Any) -> torch.Tensor:

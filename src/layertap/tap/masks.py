@@ -11,11 +11,14 @@ they make a document's feature depend on its batch-mates. The mask comes from th
   several threads at once has one mask per call.
 - A model may hold several token streams: an encoder-decoder's decoder, CLIP's vision tower,
   with their own lengths, often equal to the text's. So the modules on the way from the model to
-  each tapped layer whose forward takes an ``attention_mask`` are hooked too, and the innermost
-  running call that was given one decides: a ``[B, T]`` mask, or none (BART's decoder called
-  with ``attention_mask=None``, CLIP's vision encoder). A 4-D mask, made for attention from the
-  2-D one, decides nothing: the caller's mask still holds; nor does a floating-point 2-D mask
-  given to an inner module (an additive bias: Longformer's encoder gets 0 for a real token), and
+  each tapped layer that start a stream (whose forward takes ``input_ids``, ``inputs_embeds``,
+  ``pixel_values``, ``input_features`` or ``input_values``: an encoder, a decoder, a vision
+  tower) are hooked too, and the innermost running one that says decides: its
+  ``attention_mask``, or none (BART's decoder called with ``attention_mask=None``, CLIP's vision
+  tower, which takes pixels and no mask). An embedding layer (ids, no mask) is its caller's
+  stream; an attention module's own ``attention_mask`` decides nothing: it masks keys, another
+  stream's in cross-attention. Nor does a 4-D mask, made for attention from the 2-D one, nor a
+  floating-point 2-D mask below the model (an additive bias): the caller's mask still holds; and
   a mask of another shape than the tensor's is passed over. Cost: two hooks on each such module.
 - `real_tokens(batch, length)` is the running mask as booleans if it is ``[batch, length]``, else
   None: only a 2-D mask of exactly that shape counts, so a vision model, a pooled output or a
@@ -78,14 +81,18 @@ _RUNNING = _Running()
 
 class _Parameter(NamedTuple):
     """How a forward takes ``attention_mask``: its position (None: not positionally), whether it
-    names the parameter, and whether ``**kwargs`` may carry it."""
+    names the parameter, whether ``**kwargs`` may carry it, and whether the forward starts a token
+    stream (it takes a model's input: `_ENTRIES`)."""
 
     at: int | None
     named: bool
     var_keyword: bool
+    entry: str  # "text", "signal" (pixels, audio) or ""
 
 
-_NONE = _Parameter(None, False, False)
+_NONE = _Parameter(None, False, False, "")
+# what a module that starts a stream of tokens takes: an encoder, a decoder (text); a vision or audio tower (signal)
+_ENTRIES = {"input_ids": "text", "inputs_embeds": "text", "pixel_values": "signal", "input_features": "signal", "input_values": "signal"}
 _PARAMETERS: weakref.WeakKeyDictionary[Any, _Parameter] = weakref.WeakKeyDictionary()
 
 
@@ -109,6 +116,8 @@ def _parameter(module: nn.Module) -> _Parameter:
             found = found._replace(at=i if positional else None, named=True)
         elif p.kind == p.VAR_KEYWORD:
             found = found._replace(var_keyword=True)
+        elif p.name in _ENTRIES and found.entry != "text":
+            found = found._replace(entry=_ENTRIES[p.name])
     with contextlib.suppress(TypeError):  # a callable that takes no weak reference: read each time
         _PARAMETERS[forward] = found
     return found
@@ -119,19 +128,22 @@ _UNSET = object()
 
 def _decision(args: tuple, kwargs: dict, parameter: _Parameter, root: bool) -> tuple[bool, torch.Tensor | None]:
     """Whether a call decides the running mask, and the ``[B, T]`` mask it gives (None: none).
-    A 4-D mask (made for attention from the 2-D one) decides nothing: the caller's mask still
-    holds for the tokens; nor does a floating-point 2-D mask given to an inner module (an
-    additive bias, as Longformer's encoder is given: 0 for a real token), nor a ``**kwargs``
-    forward called without one."""
+
+    The model decides, and so do the modules that start a stream of tokens, given a mask or
+    taking one (an encoder, a decoder called with ``attention_mask=None``), or taking pixels or
+    audio (a vision tower, which has none). An embedding layer (ids, no mask) is its caller's
+    stream; an attention module's ``attention_mask`` masks its keys, another stream's in
+    cross-attention: neither decides. Nor does a 4-D mask (made for attention from the 2-D one),
+    nor a floating-point 2-D one below the model (an additive bias): the caller's mask holds."""
+    if not (root or parameter.entry):
+        return False, None
     mask: Any = kwargs.get("attention_mask", _UNSET)
     if mask is _UNSET and parameter.at is not None and len(args) > parameter.at:
         mask = args[parameter.at]
     if mask is _UNSET and root and args and isinstance(args[0], Mapping):
         mask = args[0].get("attention_mask", _UNSET)
-    if mask is _UNSET:
-        if not (root or parameter.named):
-            return False, None
-        mask = None  # the parameter's default: called without a mask
+    if mask is _UNSET:  # called without a mask: none, for a stream that could have had one or has none
+        return (True, None) if root or parameter.named or parameter.entry == "signal" else (False, None)
     if mask is None:
         return True, None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and (root or not mask.is_floating_point()):
@@ -181,22 +193,17 @@ def _target(model: nn.Module) -> nn.Module:
 
 
 def around(model: nn.Module, inner: Iterable[nn.Module]) -> list[nn.Module]:
-    """The modules below ``model`` on the way to each of ``inner`` (the tapped layers, the ops'
-    owners), those included, whose forward may be given an ``attention_mask``: found once per tap."""
+    """The modules below ``model`` that start a stream of tokens on the way to each of ``inner``
+    (the tapped layers, the ops' owners), those included: found once per tap, along every path to
+    a module reached by several (one shared by an encoder and a decoder)."""
     root, targets = _target(model), {id(m) for m in inner}
+    named = dict(root.named_modules(remove_duplicate=False))
     found: dict[int, nn.Module] = {}
-    stack: list[tuple[nn.Module, tuple[nn.Module, ...]]] = [(root, ())]
-    seen: set[int] = set()
-    while stack:
-        module, path = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if id(module) in targets:
-            found.update((id(m), m) for m in (*path, module))
-        stack.extend((child, (*path, child)) for child in module._modules.values() if child is not None)
-    found.pop(id(root), None)
-    return [m for m in found.values() if _parameter(m).named or _parameter(m).var_keyword]
+    for name, module in named.items():
+        if id(module) in targets and name:
+            parts = name.split(".")
+            found.update((id(m), m) for m in (named[".".join(parts[:k])] for k in range(1, len(parts) + 1)))
+    return [m for m in found.values() if m is not root and _parameter(m).entry]
 
 
 def watch(model: nn.Module, inner: list[nn.Module]) -> list[RemovableHandle]:
