@@ -39,8 +39,9 @@ class TokenLoader(IterableDataset):
     decompressed into the buffer. With a warm page cache, a shuffled epoch of a 200 MB store took
     1.21-1.27x (Zarr), 1.25-1.30x (HDF5) and 1.38-1.57x (NumPy) the time of a sequential read
     (``benchmarks/bench_token_loader.py``, glibc's allocator as it comes and tuned, on an idle
-    2-core machine; on another, 1.26-1.37x, 1.63-1.94x and 1.71-1.88x: the gather of rows from a
-    memory map depends on the machine's memory more than a copy does). A NumPy store's
+    2-core machine; on a second, 1.26-1.37x, 1.63-1.94x and 1.71-1.88x, on a third 1.26-1.27x,
+    1.18-1.22x and 1.39-1.49x: the gather of rows from a memory map depends on the machine's
+    memory more than a copy does). A NumPy store's
     sequential read is a plain copy from the page cache, which a gather of rows in random order
     cannot match.
     ``shuffle=False`` reads the rows in order. A store that is not complete (a run stopped before
