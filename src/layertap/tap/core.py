@@ -114,7 +114,7 @@ class Tap(Mapping):
         gather = None if sharded is None else lambda t: whole(t, options.gather)
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
         # who may read the call's mask, and the modules whose own mask it may be (masks.py)
-        self._masks = masks.around(model, self._modules.values()) if options.reduce is not None or self._observe is not None else None
+        self._masks = masks.around(model, chosen.layers, self._modules, chosen.aliases) if options.reduce is not None or self._observe is not None else None
         self._grads = Grads(self._transform, self._observe, self.keep, weak(self._put_grads))
         self._copies = Copies()
         # only a tap that may keep a tensor of the network's own learns about in-place ops: a reduction always makes a fresh one

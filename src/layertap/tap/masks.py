@@ -192,17 +192,17 @@ def _target(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.DataParallel) else model
 
 
-def around(model: nn.Module, inner: Iterable[nn.Module]) -> list[nn.Module]:
+def around(model: nn.Module, layers: Mapping[str, nn.Module], inner: Iterable[str], aliases: Any) -> list[nn.Module]:
     """The modules below ``model`` that start a stream of tokens on the way to each of ``inner``
-    (the tapped layers, the ops' owners), those included: found once per tap, along every path to
-    a module reached by several (one shared by an encoder and a decoder)."""
-    root, targets = _target(model), {id(m) for m in inner}
-    named = dict(root.named_modules(remove_duplicate=False))
+    (the names of the tapped layers and the ops' owners), those included: found once per tap from
+    the selection's index of ``layers`` (no walk of the model), along every name a module has
+    (``aliases(name)``: one shared by an encoder and a decoder has one for each)."""
+    root = _target(model)
     found: dict[int, nn.Module] = {}
-    for name, module in named.items():
-        if id(module) in targets and name:
-            parts = name.split(".")
-            found.update((id(m), m) for m in (named[".".join(parts[:k])] for k in range(1, len(parts) + 1)))
+    for name in inner:
+        for alias in aliases(name):
+            parts = alias.split(".") if alias else []
+            found.update((id(m), m) for k in range(1, len(parts) + 1) if (m := layers.get(".".join(parts[:k]))) is not None)
     return [m for m in found.values() if m is not root and _parameter(m).entry]
 
 
