@@ -21,7 +21,7 @@ from torch import nn
 
 import layertap
 from layertap.errors import StoreError
-from layertap.store.chunks import blosc_problem
+from layertap.store.chunks import TEXT_CHUNK_BYTES, blosc_problem, zstd_problem
 
 
 def extract(out: Path, n: int = 10, width: int = 3, chunk_size: int = 4) -> np.ndarray:
@@ -296,3 +296,23 @@ def test_every_way_zarr_reads_a_chunk_goes_through_the_check(tmp_path):
 
     with pytest.raises(StoreError, match=r"a chunk of no array layertap checked"):  # no array registered: refused
         asyncio.run(many())
+
+
+# ----------------------------------------------- text chunks (Zstandard): bounded before they are decoded
+def test_a_text_chunk_whose_frame_claims_too_much_or_does_not_say_is_refused_unread(tmp_path):
+    # a few KB of Zstandard can inflate to GBs: the frame header says how much, before decoding
+    out = tmp_path / "s.zarr"
+    extract(out)
+    assert zstd_problem(numcodecs.Zstd().encode(b"x" * 1000), TEXT_CHUNK_BYTES) is None  # what layertap writes passes
+    huge = struct.pack("<I", 0xFD2FB528) + bytes([0xE0]) + struct.pack("<Q", 1 << 40)  # single segment, 8-byte size
+    unsaid = struct.pack("<I", 0xFD2FB528) + bytes([0x00, 0x48])  # no content size, a window only
+    for frame, said in ((huge, r" says it holds 1099511627776 bytes, more than the 268435456"), (unsaid, "s frame does not say how many bytes it holds")):
+        (out / "_chunks/c/0").write_bytes(frame)  # the marker of chunk 0, text
+        with pytest.raises(StoreError, match=rf"a chunk of its array '_chunks' is damaged \(_chunks/c/0: it{said}"):
+            layertap.open_features(out)
+
+
+def test_a_zstd_frame_header_is_read_as_rfc_8878_says():
+    for n in (0, 1, 255, 256, 300, 70_000, 5_000_000):  # the size field's widths: 1, 2 (+256), 4 bytes
+        assert zstd_problem(numcodecs.Zstd().encode(bytes(n)), n) is None
+        assert (zstd_problem(numcodecs.Zstd().encode(bytes(n + 1)), n) or "").startswith(f"it says it holds {n + 1} bytes")

@@ -12,13 +12,15 @@ last codec, right after ``bytes``, so that a chunk's bytes are one Blosc frame o
 chunk's size (chunk shape x itemsize). Every Blosc chunk read is then held to its header
 (`blosc_problem`): its compressed size is the bytes read, its uncompressed size the chunk's,
 a stored (memcpyed) chunk is its header plus its data, and its block offsets lie inside it.
+A text array's chunk (ids, markers: Zstandard) must say in its frame header how many bytes it
+holds, at most `TEXT_CHUNK_BYTES` (`zstd_problem`): a few KB can inflate to GBs otherwise.
 A read of a chunk of an array no one registered is refused. The array's codec pipeline is
 wrapped (`checked_array`) so that a chunk that passes the header and still fails to decode
 (a swapped, truncated or garbled chunk of another codec) is one `StoreError` line naming the
 store, the array and the fix.
 
-The cost: one 16-byte header parse (and its block offsets, 4 bytes per Blosc block) per chunk
-read; no copy of the chunk.
+The cost: one header parse (16 bytes, and 4 bytes per Blosc block; at most 18 bytes of a
+Zstandard frame) per chunk read; no copy of the chunk.
 """
 
 from __future__ import annotations
@@ -45,24 +47,34 @@ _MEMCPYED = 0x02
 
 @dataclass(frozen=True)
 class ChunkRule:
-    """What every stored chunk of one array must be: a Blosc frame of ``nbytes`` bytes, or
-    (``blosc`` false) whatever its codecs check themselves."""
+    """What every stored chunk of one array must be: a Blosc frame of ``nbytes`` bytes
+    (``codec`` "blosc"), a Zstandard frame that says it holds at most ``nbytes`` ("zstd": the
+    text arrays' codec), or whatever its codecs check themselves ("")."""
 
     name: str
-    blosc: bool
+    codec: str
     nbytes: int
+
+
+# a text chunk (ids, markers) that says it holds more is refused unread: a Zstandard frame of a
+# few KB can inflate to GBs, and the length of a text is known only once it is decoded
+TEXT_CHUNK_BYTES = 256 << 20
+_ZSTD_MAGIC = 0xFD2FB528
 
 
 def chunk_rule(where: Location, name: str, array: Any) -> ChunkRule:
     """The rule of ``array``'s chunks, from the metadata Zarr decodes them with; a codec chain
     in which Blosc's frame is not the chunk's bytes of the whole chunk is refused."""
     codecs = [c.get("name") if isinstance(c, dict) else c for c in array.metadata.to_dict().get("codecs", [])]
-    if "blosc" not in codecs:
-        return ChunkRule(name, False, 0)
     dtype = np.dtype(array.dtype)
+    if codecs and codecs[-1] == "zstd":
+        text = dtype.kind in "OTVU"
+        return ChunkRule(name, "zstd", TEXT_CHUNK_BYTES if text else int(np.prod(array.chunks, dtype=np.int64)) * dtype.itemsize)
+    if "blosc" not in codecs:
+        return ChunkRule(name, "", 0)
     if codecs.count("blosc") != 1 or codecs[-1] != "blosc" or codecs[-2:-1] != ["bytes"] or dtype.kind in "OTV":
         raise _bad(where, f"its array {name!r} uses the codecs {codecs}: Blosc only as the last codec, right after 'bytes', is read")
-    return ChunkRule(name, True, int(np.prod(array.chunks, dtype=np.int64)) * dtype.itemsize)
+    return ChunkRule(name, "blosc", int(np.prod(array.chunks, dtype=np.int64)) * dtype.itemsize)
 
 
 def blosc_problem(data: Any, nbytes: int) -> str | None:
@@ -87,6 +99,24 @@ def blosc_problem(data: Any, nbytes: int) -> str | None:
     if blocks and (int(starts.min()) < table or int(starts.max()) >= cbytes):
         return "its blocks' offsets lead outside it"
     return None
+
+
+def zstd_problem(data: Any, most: int) -> str | None:
+    """What is wrong with the Zstandard frame ``data`` of a chunk of at most ``most`` bytes, read
+    from its header (RFC 8878): a frame that does not say its size, or says more, is refused."""
+    head = bytes(data[:18])
+    if len(head) < 5 or int.from_bytes(head[:4], "little") != _ZSTD_MAGIC:
+        return "it is not a Zstandard frame"
+    descriptor = head[4]
+    single, dictionary = (descriptor >> 5) & 1, descriptor & 3
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[dictionary]  # after the window and dictionary fields
+    width = (1 if single else 0, 2, 4, 8)[descriptor >> 6]
+    if width == 0:
+        return "its frame does not say how many bytes it holds"
+    if at + width > len(head):
+        return "its frame header is cut short"
+    size = int.from_bytes(head[at : at + width], "little") + (256 if width == 2 else 0)
+    return None if size <= most else f"it says it holds {size} bytes, more than the {most} a chunk of it may"
 
 
 def damaged(where: Location, name: str, what: str) -> StoreError:
@@ -136,11 +166,12 @@ def _store_class() -> type:
             rule = next((self.rules[p] for k in range(len(parts) - 1, 0, -1) if (p := "/".join(parts[:k])) in self.rules), None)
             if rule is None:
                 raise _bad(self.where, f"Zarr read {key!r}, a chunk of no array layertap checked")
-            if not rule.blosc or data is None:
+            if not rule.codec or data is None:
                 return
             if byte_range is not None:
-                raise damaged(self.where, rule.name, "read in part, which a Blosc chunk of layertap's never is")
-            problem = blosc_problem(data.as_numpy_array(), rule.nbytes)
+                raise damaged(self.where, rule.name, "read in part, which a compressed chunk of layertap's never is")
+            check = blosc_problem if rule.codec == "blosc" else zstd_problem
+            problem = check(data.as_numpy_array(), rule.nbytes)
             if problem:
                 raise damaged(self.where, rule.name, f"{key}: {problem}")
 
