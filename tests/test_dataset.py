@@ -393,3 +393,57 @@ def test_a_layer_run_twice_per_forward_is_stored_as_its_first_call_whatever_else
     for store in (alone, with_later):
         torch.testing.assert_close(store.to_torch("layer1.0.relu"), want, rtol=1e-5, atol=1e-6)  # another batch split than FX's
         assert store.meta["settings"]["calls"] == "first"
+
+
+class SharedReLU(nn.Module):
+    """One ReLU called twice per forward, a head after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.relu, self.b, self.head = nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.relu(self.b(self.relu(self.a(x)))))
+
+
+def as_older(out: Path, last_chunk: int) -> None:
+    """The store as a layertap before the "calls" setting left it when killed: its settings say
+    nothing of which call it keeps, and its last chunk is not written."""
+    import json
+
+    meta_path = out / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    layertap_meta = meta["attributes"]["layertap"]
+    del layertap_meta["settings"]["calls"]
+    layertap_meta["complete"] = False
+    meta_path.write_text(json.dumps(meta))
+    (out / "_chunks" / "c" / str(last_chunk)).unlink()
+
+
+@pytest.mark.parametrize("verify", ["close", "off"])
+def test_a_store_of_an_older_layertap_is_resumed_and_never_mixed(tmp_path, verify):
+    torch.manual_seed(0)
+    model, data = SharedReLU().eval(), torch.randn(12, 4)
+    options = {"batch_size": 4, "chunk_size": 4, "progress": False, "num_workers": 0}
+    # no layer runs twice before the last: the older store resumes into the same rows
+    whole = layertap.extract_dataset(model, data, ["a", "head"], out=tmp_path / "whole.zarr", **options).to_numpy("head")
+    layertap.extract_dataset(model, data, ["a", "head"], out=tmp_path / "s.zarr", **options)
+    as_older(tmp_path / "s.zarr", last_chunk=2)
+    resumed = layertap.extract_dataset(model, data, ["a", "head"], out=tmp_path / "s.zarr", verify=verify, **options)
+    assert resumed.complete and np.array_equal(resumed.to_numpy("head"), whole)
+    # the ReLU beside a later layer: an older layertap stored its last call, this one its first;
+    # the written rows are recomputed and found to differ, whatever verify= says: refused, unmixed
+    out = tmp_path / "r.zarr"
+    layertap.extract_dataset(model, data, ["relu", "head"], out=out, **options)
+    calls = []
+    handle = model.relu.register_forward_hook(lambda m, a, o: calls.append(o.detach().clone()))
+    with torch.no_grad():
+        model(data)
+    handle.remove()
+    import zarr
+
+    zarr.open_array(str(out / "features" / "relu"), mode="r+")[:] = calls[1].numpy()  # what the older one wrote
+    as_older(out, last_chunk=2)
+    with pytest.raises(layertap.errors.DataChangedError, match=r"differ from the stored rows in 'relu'"):
+        layertap.extract_dataset(model, data, ["relu", "head"], out=out, verify=verify, **options)
+    assert not layertap.open_features(out).complete

@@ -26,7 +26,7 @@ from ..runtime import place_model
 from ..select import Layers, select
 from ..store.backends import check_writers, format_for
 from ..store.format import StorePlan, array_key, array_specs
-from ..store.lifecycle import open_or_create
+from ..store.lifecycle import ADDED_SETTINGS, open_or_create
 from ..store.paths import Location, location
 from ..store.reader import FeatureStore
 from ..store.writer import StoreWriter
@@ -278,7 +278,10 @@ class _Run:
             say(f"resuming {self.out}: {len(done)} of {store.num_chunks or '?'} chunks already written", self.progress)
             # the first batch of the first and of the last written chunk: two ends of what was
             # written, so a change that shows only on some data has two chances to show
-            self.to_recompute = sorted({done[0], done[-1]}) if done and self.verify != "off" else []
+            # a store made before layertap recorded which call of a layer run several times it keeps
+            # (then the last, beside a later layer) is checked whatever verify= says: never mixed
+            older = not set(store.meta.get("settings") or {}) >= ADDED_SETTINGS
+            self.to_recompute = sorted({done[0], done[-1]}) if done and (self.verify != "off" or older) else []
             recorded = {c: m.digests for c, m in store.markers().items() if m.digests is not None}
             verifier = Verifier(recorded, store.chunk_size, self.source, str(self.out))
             if self.source.indexed:  # a stream is checked as it is read again

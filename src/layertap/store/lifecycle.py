@@ -25,14 +25,17 @@ from .paths import Location, location, url_fs
 from .trust import _open_backend
 from .writer import StoreWriter
 
+# settings a later layertap records that an older store's settings lack: not a difference, as the
+# resume's recomputation of written rows proves them (`layertap.extract.run`, whatever verify= says)
+ADDED_SETTINGS = frozenset({"calls"})
+
 
 def settings_differences(old: Mapping, new: Mapping, sep: str) -> str:
     """The settings in which ``new`` differs from ``old``, for people; ``""`` when none does."""
-    what = {
-        "model": "model (fingerprint of its state, tree and code)", "ids": "sample ids (digest)",
-        "calls": "call of a layer run several times per forward (a store made before said none: made anew)",
-    }  # fmt: skip
-    return "; ".join(f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k])
+    what = {"model": "model (fingerprint of its state, tree and code)", "ids": "sample ids (digest)"}
+    return "; ".join(
+        f"{what.get(k, k)} {old.get(k)!r}{sep}{new[k]!r}" for k in new if old.get(k) != new[k] and (k in old or k not in ADDED_SETTINGS)
+    )
 
 
 
