@@ -233,7 +233,8 @@ def _columns(names: Sequence[str], column: Any, text_field: str, id_field: str |
     """The text and id columns of a table (a Parquet file, a ``datasets.Dataset``)."""
     for field in (text_field, id_field):
         if field is not None and field not in names:
-            raise DataError(f"{where} has no column {field!r} (it has {list(names)}): pass text_field= / id_field=")
+            hint = " (text_field='input_ids' for token ids)" if field == text_field and "input_ids" in names else ""
+            raise DataError(f"{where} has no column {field!r} (it has {list(names)}): pass text_field={hint} / id_field=")
         if field is not None and list(names).count(field) > 1:
             raise DataError(f"{where} has {list(names).count(field)} columns named {field!r}: rename all but one")
     ids = None if id_field is None else list(column(id_field))
