@@ -252,7 +252,7 @@ class OpTaps:
         for name, op in self._changes.items():
             seen = self.seen.get(op.module, {})
             if op.module in self._completed and seen.get(op.op, 0) < (op.call or 1):
-                calls = ", ".join(sorted(seen)) or "no torch function that returns a tensor"
+                calls = _own_calls(seen)
                 warnings.warn(
                     f"layertap: edit=/replace= {name!r} changed nothing: the forward of {op.module!r} ran without that call "
                     f"(its own calls: {calls}); ops inside a child module belong to the child",
@@ -337,8 +337,13 @@ class OpTaps:
             wrong = f"is called {seen[op.op]} time(s) per forward of {where}, so it has no call #{op.call}"
         else:
             wrong = f"is not called by the forward of {where} ({type(module).__name__})"
-        calls = ", ".join(sorted(seen)) or "no torch function that returns a tensor"
+        calls = _own_calls(seen)
         raise LayerNotFoundError(
             f"op {op.op!r} {wrong}; its own forward calls: {calls}. Ops inside a child module belong "
             f"to the child (tap 'child:op'); list them with layertap.summary(model, x, ops=True)"
         )
+
+
+def _own_calls(seen: Mapping[str, int]) -> str:
+    """The ops a module's forward was seen calling, for a message."""
+    return ", ".join(sorted(seen)) or "no torch function that returns a tensor"
