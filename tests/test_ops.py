@@ -7,6 +7,8 @@ inside ``forward`` (a model FX cannot trace), plain autograd for gradients.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import re
 import warnings
 
@@ -278,7 +280,8 @@ def test_modules_without_op_taps_are_left_alone():
     model = torchvision.models.resnet18().eval()
     with layertap.tap(model, ["layer2", "layer1.0:add_"]):
         wrapped = {name for name, m in model.named_modules() if "forward" in m.__dict__}
-    assert wrapped == {"layer1.0"}
+    # layer1.0 runs in its frame, its descendants (no hooks of their own) in blind ones; nothing else is touched
+    assert wrapped == {name for name, _ in model.named_modules() if name == "layer1.0" or name.startswith("layer1.0.")}
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
@@ -305,6 +308,38 @@ def test_a_childs_own_hooks_do_not_make_ops_of_its_parent():
     assert taps.names == ["0:sum#1", "0:mul#1"]  # the hook's sum is not the block's
     with torch.no_grad():
         assert torch.equal(taps["0:sum#1"], (model[0].proj(x) * 10).sum(-1))
+
+
+class TwoSoftmaxes(nn.Module):
+    """Its own softmax between two children that call softmax too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Softmax(-1), nn.Softmax(-1)
+
+    def forward(self, x):
+        return self.last(torch.softmax(self.first(x) * 3, -1) * 5)
+
+
+def test_childrens_ops_stay_theirs_with_or_without_hooks_and_forwards_come_back():
+    """Children without hooks run in a blind forward, children with hooks in blind hooks: either
+    way their softmax is not the parent's, whose own softmax is call #1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TwoSoftmaxes())
+    x = torch.randn(2, 4)
+    own = model[0].last.forward = functools.partial(nn.Softmax.forward, model[0].last)  # a forward set on the instance
+    calls = []
+    hook = model[0].first.register_forward_hook(lambda m, a, out: calls.append(torch.softmax(out, -1)))  # a user's softmax
+    try:
+        with torch.no_grad(), layertap.tap(model, ["0:*", "0:softmax#1"]) as taps:
+            signature = inspect.signature(model[0].last.forward)
+            model(x)
+    finally:
+        hook.remove()
+    assert sorted(taps.names) == ["0:mul#1", "0:mul#2", "0:softmax#1"]
+    torch.testing.assert_close(taps["0:softmax#1"], torch.softmax(torch.softmax(x, -1) * 3, -1), rtol=0, atol=0)
+    assert signature == inspect.signature(own)
+    assert model[0].last.__dict__["forward"] is own and "forward" not in model[0].first.__dict__
 
 
 def test_op_taps_under_inference_mode_and_compile():

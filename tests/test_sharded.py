@@ -120,7 +120,26 @@ def taps():
     for n in LAYERS:  # the input of the Rowwise layer is whole too
         torch.testing.assert_close(t.inputs[n], r.inputs[n], atol=1e-5, rtol=1e-5)
     placements = {n: str(v.placements) for n, v in gathered.items()}
-    return {"kinds": kinds, "placements": placements}
+    # a parent of the Rowwise layer returns its all-reduce's asynchronous result as its own output
+    outer = nn.Sequential(copy.deepcopy(plain))
+    parallelize_module(outer, mesh["tp"], {"0.0": ColwiseParallel(), "0.2": RowwiseParallel()})
+    with layertap.tap(outer, "0", capture=("output", "grad")) as t:
+        outer(x[:4]).square().sum().backward()
+    want_outer = plain(x[:4])
+    torch.testing.assert_close(t["0"], want_outer.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t.grads["0"], 2 * want_outer.detach(), atol=1e-5, rtol=1e-5)
+    plain.zero_grad()
+    # an op inside a module computes on the rank's part, of a layout nothing records: refused, or kept as the part
+    try:
+        layertap.tap(model, "1:relu")
+        refused = ""
+    except layertap.TapError as e:
+        refused = str(e)
+    with torch.no_grad(), layertap.tap(model, "1:relu", gather=False) as t:
+        model(x[:4])
+    with torch.no_grad():
+        torch.testing.assert_close(t["1:relu"], want["1"][:, 16 * mesh["tp"].get_local_rank():16 * (mesh["tp"].get_local_rank() + 1)], atol=1e-5, rtol=1e-5)
+    return {"kinds": kinds, "placements": placements, "refused": refused, "part": list(t["1:relu"].shape)}
 
 def edits():
     """An edit sees the whole value and its result is split back: zero features 3 and 20, one
@@ -407,6 +426,9 @@ def test_tapped_values_of_a_tensor_parallel_model_are_the_unsharded_ones(said):
         assert line["kinds"] == {"0": "DTensor", "1": "DTensor", "2": "DTensor"}
         # each rank's part, with the placements the styles give: features split, then all-reduced
         assert line["placements"] == {"0": "(Shard(dim=1),)", "1": "(Shard(dim=1),)", "2": "(Replicate(),)"}
+        # an op tap would see the rank's half of the ReLU's 32 features: refused, naming the fixes; gather=False keeps the half
+        assert "op taps (1:relu) on a tensor-parallel model" in line["refused"] and "gather=False" in line["refused"]
+        assert line["part"] == [4, 16]
 
 
 def test_an_edit_of_a_tensor_parallel_layer_sees_the_whole_value_and_edits_each_ranks_part(said):

@@ -60,7 +60,7 @@ from .kept import Kept, View, _Store
 from .ops import OpTaps, hidden, op_name, returns_tensor, shown, weak
 from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
 from .recompute import recomputing
-from .sharded import Sharded, whole
+from .sharded import Sharded, arrived, whole
 
 
 class _StopForward(Exception):
@@ -111,6 +111,8 @@ class Tap(Mapping):
         self._ops = OpTaps(self._sites, chosen.star, self._modules, weak(self._op_hook), changes={*self._edits, *self._runs})
         if self._ops and self._kept.parallel:
             raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
+        if sharded is not None:
+            sharded.check_ops([*self._sites, *(f"{m}:*" for m in sorted(chosen.star))])
         gather = None if sharded is None else lambda t: whole(t, options.gather)
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
         # who may read the call's mask, and the modules whose own mask it may be (masks.py)
@@ -438,6 +440,7 @@ class Tap(Mapping):
         store: _Store = self._kept.stores[kind]
         if not store.wants(name, index):
             return
+        value = value if self._sharded is None else nested.map_leaves(arrived, value)  # read what arrived, not a promise
         inplace, copies = self._inplace, self._copies
         if part is None and inplace.start is not None:
             # the value this call replaces is dropped first, so that the pool can hand its memory

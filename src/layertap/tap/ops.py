@@ -160,12 +160,13 @@ def returns_tensor(out: Any) -> bool:
 class _Frame:
     """One running forward of a module with tapped ops: its ops' call counts so far."""
 
-    __slots__ = ("counts", "module", "sites", "star")
+    __slots__ = ("counts", "module", "seen", "sites", "star")
 
-    def __init__(self, module: str, sites: dict[str, list[tuple[str, int | None]]], star: bool) -> None:
+    def __init__(self, module: str, sites: dict[str, list[tuple[str, int | None]]], star: bool, seen: dict[str, int]) -> None:
         self.module = module
         self.sites = sites  # op -> [(tap name, the K of "#K" or None)]
         self.star = star  # "module:*": every op
+        self.seen = seen  # the module's most calls in one forward, of each op that returned a tensor
         self.counts: dict[str, int] = {}
 
 
@@ -227,6 +228,7 @@ class OpTaps:
         if self._framed is None:  # found once: a tap entered batch after batch walks the modules once
             self._framed = list({id(m): m for site in sited for m in self._modules[site].modules()}.values())
         thread = self._thread
+        sites = {id(self._modules[site]) for site in sited}
 
         def blind(module: nn.Module, args: tuple) -> None:
             frames = thread.frames
@@ -238,9 +240,17 @@ class OpTaps:
             if frames:
                 frames.pop()
 
+        blinded: list[tuple[nn.Module, Any]] = []
         for module in self._framed:
-            handles.append(module.register_forward_pre_hook(blind, prepend=True))
-            handles.append(module.register_forward_hook(see, always_call=True))
+            if id(module) in sites or _hooked(module):  # the blind frame around its hooks too
+                handles.append(module.register_forward_pre_hook(blind, prepend=True))
+                handles.append(module.register_forward_hook(see, always_call=True))
+            else:  # no hooks to include: a blind forward spares Module.__call__ its slow path, a call and an entry
+                state = module.__dict__
+                blinded.append((module, state.get("forward")))
+                state["forward"] = _blind_forward(module.forward, thread)
+        if blinded:
+            restore.callback(_restore_forwards, blinded)
         for site in sited:
             self._frame_forward(self._modules[site], site, restore)
         if self._changes:
@@ -270,8 +280,7 @@ class OpTaps:
         def forward(*args: Any, **kwargs: Any) -> Any:
             frames, mode = thread.frames, thread.mode
             depth = len(frames)
-            seen.setdefault(name, {})
-            frames.append(_Frame(name, sites, star))
+            frames.append(_Frame(name, sites, star, seen.setdefault(name, {})))
             if not depth:
                 mode.__enter__()
             try:
@@ -303,10 +312,11 @@ class OpTaps:
         hits = [name for name, call in sites if call is None or call == count] if sites else []
         if not hits and not frame.star:  # an op nobody taps: run it, note it
             out = func(*args, **kwargs)
-            self._saw(frame.module, op, count, out)
+            if frame.seen.get(op, 0) < count:  # a forward after the first has seen them all: no test of the result
+                self._saw(frame.seen, op, count, out)
             return out
         star = OpName(frame.module, op, count) if frame.star else None
-        saw = functools.partial(self._saw, frame.module, op, count)
+        saw = functools.partial(self._saw, frame.seen, op, count)
         outer, _CALL.value = _CALL.value, (func, args, kwargs)
         # the hook's own work (captures, edit=, observe=, replace=) is no module's op for a tap
         # entered after this one, whose mode sees what this one passes on: only the op is (`shown`)
@@ -317,11 +327,11 @@ class OpTaps:
             _HOOKS.running -= 1
             _CALL.value = outer
 
-    def _saw(self, module: str, op: str, count: int, out: Any) -> bool:
-        """Note an op of ``module`` that returned a tensor (for discovery and errors)."""
+    @staticmethod
+    def _saw(seen: dict[str, int], op: str, count: int, out: Any) -> bool:
+        """Note in ``seen`` (a module's) an op that returned a tensor (for discovery and errors)."""
         if not returns_tensor(out):
             return False
-        seen = self.seen[module]
         if seen.get(op, 0) < count:
             seen[op] = count
         return True
@@ -342,6 +352,39 @@ class OpTaps:
             f"op {op.op!r} {wrong}; its own forward calls: {calls}. Ops inside a child module belong "
             f"to the child (tap 'child:op'); list them with layertap.summary(model, x, ops=True)"
         )
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (their ops are hidden with its forward's), or is scripted."""
+    return bool(
+        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
+    ) or isinstance(module, torch.jit.ScriptModule)
+
+
+def _blind_forward(forward: Callable[..., Any], thread: _Thread) -> Callable[..., Any]:
+    """``forward`` run in a blind frame inside a framed forward: its ops are not the caller's."""
+
+    def blind(*args: Any, **kwargs: Any) -> Any:
+        frames = thread.frames
+        if not frames:
+            return forward(*args, **kwargs)
+        depth = len(frames)
+        frames.append(None)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            del frames[depth:]
+
+    blind.__wrapped__ = forward  # type: ignore[attr-defined]  # inspect.signature reads the module's own
+    return blind
+
+
+def _restore_forwards(blinded: list[tuple[nn.Module, Any]]) -> None:
+    for module, own in blinded:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = own
 
 
 def _own_calls(seen: Mapping[str, int]) -> str:

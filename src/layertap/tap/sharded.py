@@ -15,7 +15,13 @@ Where the layout comes from (never from shapes alone):
   from the hook `distribute_module` registered on the module, and its mesh with it;
 - a layer with no style of its own, fed such a tensor (an activation between Colwise and
   Rowwise): its output has its input's layout when it keeps its input's shape (elementwise
-  layers); any other such layer is refused with a `TapError`, never stored as a part.
+  layers); any other such layer is refused with a `TapError`, never stored as a part;
+- an op inside a module (``"attn:scaled_dot_product_attention"``, ``"mlp.1:gelu"``) computes on
+  views and products of parts, whose layout nothing records (an attention's heads are split
+  across ranks, a GELU's features): op taps on a model with parallel styles are refused unless
+  ``gather=False``, which keeps each rank's part as it is.
+- a style's all-reduce hands on an asynchronous result: the tap waits for it before reading it
+  (a parent of a ``RowwiseParallel`` layer returns that result as its own output).
 
 Such a plain part is wrapped as a DTensor (`DTensor.from_local`, no communication) for the tap's
 own work (capture, gradient hooks, ``edit=``) and unwrapped for the network, which sees exactly
@@ -79,10 +85,10 @@ def whole(t: torch.Tensor, gather: bool) -> torch.Tensor:
     if isinstance(t, _dtensor()):
         if not gather:
             return t.detach().clone()
-        full = _arrived(t.full_tensor())
+        full = arrived(t.full_tensor())
         # a replicated value's full tensor is the rank's own memory, which the network may change
         return full.clone() if full.untyped_storage().data_ptr() == t.to_local().untyped_storage().data_ptr() else full
-    return _arrived(t)
+    return arrived(t)
 
 
 class _Wait(torch.autograd.Function):
@@ -98,9 +104,9 @@ class _Wait(torch.autograd.Function):
         return grad
 
 
-def _arrived(t: torch.Tensor) -> torch.Tensor:
+def arrived(t: Any) -> Any:
     """An asynchronous collective's result (a style's all-reduce) once it has arrived, as a plain
-    tensor (the tap reads its memory)."""
+    tensor (the tap reads its memory); anything else as it is."""
     return _Wait.apply(t) if type(t).__name__ == "AsyncCollectiveTensor" else t
 
 
@@ -121,6 +127,15 @@ class Sharded:
         """The helper for a model's ``modules`` (every one, as its selection walked them), or
         None for a model with no DTensor parameters."""
         return Sharded(modules, gather) if _has_dtensors(modules) else None
+
+    def check_ops(self, names: Sequence[str]) -> None:
+        """Refuse op taps whose values would be parts of unknown layout (the module docstring)."""
+        if names and self._styles and self.gather:
+            raise TapError(
+                f"op taps ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) on a tensor-parallel model would "
+                "see this rank's part of the activation, whose layout is not known inside a module: tap the modules "
+                "instead (their values are gathered whole), or pass gather=False to keep each rank's part as it is"
+            )
 
     def register(self, handles: list[RemovableHandle]) -> None:
         """Note every part a style hands on, so that the layers after it know its layout."""
@@ -163,7 +178,7 @@ class Sharded:
     def wrap(self, t: torch.Tensor, layout: Layout) -> Any:
         """A rank's plain part as the DTensor it is part of (no communication)."""
         mesh, placements = layout
-        return _dtensor().from_local(_arrived(t), mesh, placements, run_check=False)
+        return _dtensor().from_local(arrived(t), mesh, placements, run_check=False)
 
     def wrap_parts(self, module: nn.Module, value: Any) -> tuple[Any, Callable[[Any], Any] | None]:
         """A layer's input with the parts in it wrapped (for an unstyled layer; a style's own
