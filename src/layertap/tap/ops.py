@@ -10,9 +10,12 @@ Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.s
   ops inside a child's call (its hooks included, and layertap's own hooks with the ``observe``/
   ``edit`` functions they call) are not the parent's. Only a hook added to a child after the tap
   started, or a global module hook, runs outside that and counts for the parent. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
-- Cost: nothing for modules without op taps, whose forwards are untouched. Inside a wrapped
-  forward every torch function call passes through one Python function (a few microseconds);
-  only the tapped ops do more. Everything is restored when the tap ends, on exceptions too.
+- Cost: nothing for modules outside those with op taps, whose forwards are untouched. Inside a
+  wrapped forward every torch function call passes through one Python function (a few
+  microseconds); only the tapped ops do more. A descendant with hooks gets its blind frame from
+  two more hooks (around its hooks too); one without gets it from a forward set on the instance,
+  which spares ``Module.__call__`` its slower path with hooks. Everything is restored when the
+  tap ends, on exceptions too.
 - An op's output, inputs (the tensor for an op on one tensor, else ``Inputs(args, kwargs)``),
   ``grad``, ``grad_input``, ``edit`` and ``stop_early`` work as for modules, with the same
   in-place guarantee: ``add_`` is captured before a later ``relu_`` changes it.
@@ -222,8 +225,8 @@ class OpTaps:
     def register(self, handles: list[RemovableHandle], restore: contextlib.ExitStack) -> None:
         """Frame the forwards of the modules with tapped ops (undone by ``handles`` and ``restore``)."""
         # every module with tapped ops runs its forward in its own frame; around the whole call of
-        # it and of each of its descendants (their hooks included) a blind frame hides their ops
-        # from the module that called them
+        # it and of each of its descendants (their hooks included, if any) a blind frame hides
+        # their ops from the module that called them
         sited = list(dict.fromkeys([*self.sites, *sorted(self.star)]))
         if self._framed is None:  # found once: a tap entered batch after batch walks the modules once
             self._framed = list({id(m): m for site in sited for m in self._modules[site].modules()}.values())
