@@ -76,11 +76,12 @@ def test_text_files_with_a_byte_order_mark_and_windows_line_ends(llama, base, su
 
 
 def test_a_txt_file_is_one_document_per_newline(llama, tmp_path):
-    """Form feeds, vertical tabs, U+2028 and other separators str.splitlines() would cut at are
-    inside a line: each line is one document, as `wc -l` counts them."""
-    lines = ["a cat\x0csat on", "the mat\u2028today", "", "dogs\x1cran\x85far"]
+    """Form feeds, vertical tabs, U+2028, a lone carriage return and other separators
+    str.splitlines() or universal newlines would cut at are inside a line: each line is one
+    document, as `wc -l` counts them."""
+    lines = ["a cat\x0csat on", "the mat\u2028today", "", "dogs\x1cran\x85far", "old mac\rline end"]
     path = tmp_path / "c.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_bytes(("\n".join(lines) + "\n").encode())
     store = run(llama, path, tmp_path / "s.zarr")
     assert store.card["num_documents"] == len(lines)
     docs, ids = np.asarray(store.docs), np.asarray(store.token_ids)
@@ -93,7 +94,7 @@ def test_a_csv_record_ends_at_its_line_end_only(llama, tmp_path):
     a quoted line break too."""
     import csv
 
-    texts = ["a cat\x0csat on", "the mat\u2028today", "dogs ran\nfar away", "end"]
+    texts = ["a cat\x0csat on", "the mat\u2028today", "dogs ran\nfar away", "two\r\nline ends", "end"]
     with open(tmp_path / "c.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["text"])

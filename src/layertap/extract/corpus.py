@@ -104,9 +104,11 @@ def _check_ids(ids: list, id_field: str, where: str) -> None:
 
 
 def _text(path: Path) -> str:
-    """A text file's content: UTF-8, a leading byte-order mark dropped."""
+    """A text file's content: UTF-8, a leading byte-order mark dropped, line ends as they are
+    (Python's universal newlines would end a line at a lone ``\r`` inside a document)."""
     try:
-        return path.read_text(encoding="utf-8-sig")
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            return f.read()
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start : e.start + 1]!r}): save it as UTF-8") from e
 
