@@ -123,6 +123,22 @@ def test_a_tensor_the_mask_does_not_fit_is_reduced_as_before(minilm):
     torch.testing.assert_close(t["pooler"], out.pooler_output, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_a_feature_map_with_tokens_past_dim_1_is_refused_not_pooled_with_its_padding(minilm, reduce):
+    """The attention op's output [B, heads, T, head dim] would be pooled over T, padding included
+    (the padded document moved by 0.03 on a Qwen3): refused, naming the fix; without a mask it pools."""
+    tokenizer, model = minilm
+    spec = "encoder.layer.0.attention.self:scaled_dot_product_attention"
+    with pytest.raises(layertap.TapError, match=rf"encoder.layer.0.attention.self.*reduce='{reduce}' would pool the padding of the running \[batch, \d+\] attention_mask into a tensor of shape \[3, 12, \d+, 32\] \(tokens on dim 2, not 1\): tap it without reduce="):
+        with torch.no_grad(), layertap.tap(model, spec, reduce=reduce):
+            model(**padded(tokenizer, TEXTS, "right"))
+    if reduce in ("mean", "max"):  # called without a mask, it is pooled as any feature map
+        ids = tokenizer(TEXTS[1:2], return_tensors="pt")["input_ids"]
+        with torch.no_grad(), layertap.tap(model, spec) as t, layertap.tap(model, spec, reduce=reduce) as pooled:
+            model(input_ids=ids)
+        close(pooled[spec], t[spec].mean((2, 3)) if reduce == "mean" else t[spec].amax((2, 3)))
+
+
 class Prepends(nn.Module):
     """Token embeddings with a learned token put first: [B, T + 1, C], which a [B, T] mask does not fit."""
 

@@ -93,7 +93,7 @@ def reducer(reduce: Reduce) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if reduce is None or callable(reduce):
         return reduce
     if reduce not in _TABLE:
-        raise ValueError(f"unknown reduce={reduce!r}: use one of {REDUCTIONS} or a callable")
+        raise ArgumentError(f"unknown reduce={reduce!r}: use one of {REDUCTIONS} or a callable")
     return _TABLE[reduce]
 
 

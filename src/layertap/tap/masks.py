@@ -253,6 +253,14 @@ def pooled(t: torch.Tensor, how: str) -> torch.Tensor | None:
     no running mask is ``[B, T]``."""
     real = real_tokens(t.size(0), t.size(1)) if t.dim() == 3 else None
     if real is None:
+        # a feature map's pooled dims (all past 1): one as long as a running mask is tokens, padding included
+        padded = [d for d in range(2, t.dim()) if t.dim() > 3 and real_tokens(t.size(0), t.size(d)) is not None]
+        if padded:
+            raise ValueError(
+                f"reduce={how!r} would pool the padding of the running [batch, {t.size(padded[0])}] attention_mask into "
+                f"a tensor of shape {list(t.shape)} (tokens on dim {padded[0]}, not 1): tap it without reduce= and pool "
+                "its real tokens yourself, or pass a function as reduce="
+            )
         return None
     real = real.to(t.device)
     if how == "mean":
