@@ -202,6 +202,21 @@ def test_dataloader_workers_give_the_same_batches_once_each(stores, name):
         assert all(torch.equal(v, mine[tuple(b["index"].tolist())][k]) for k, v in b.items())
 
 
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(stores, start):
+    """Persistent workers keep their copy of the loader from one epoch to the next: the epoch is in
+    shared memory, so each epoch of theirs is the main process's, not epoch 0 again."""
+    loader = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+    data = torch.utils.data.DataLoader(loader, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=start)
+    for number in (0, 1, 2):
+        loader.set_epoch(number)
+        got = sorted(tuple(b["index"].tolist()) for b in data)
+        alone = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+        alone.set_epoch(number)
+        assert got == sorted(tuple(b["index"].tolist()) for b in epoch(alone)), number
+    assert loader.state_dict()["epoch"] == 2
+
+
 def test_a_pickled_loader_opens_its_store_again(stores):
     """What a spawned DataLoader worker gets: the loader without the store's handle (an HDF5 file
     cannot be pickled), which opens the store again from its path."""

@@ -61,7 +61,9 @@ class TokenLoader(IterableDataset):
     together hold every row once. ``drop_last=True`` gives every rank as many full batches (use
     it under DDP, so that every rank takes as many steps). In a ``DataLoader(loader,
     batch_size=None, num_workers=k)`` each worker takes every k-th buffer: the same batches,
-    interleaved. ``len(loader)`` is the number of batches per epoch for this rank.
+    interleaved. The epoch lives in shared memory, so `set_epoch` reaches the workers' copies,
+    ``persistent_workers=True`` included. ``len(loader)`` is the number of batches per epoch for
+    this rank.
 
     **Resuming.** `state_dict` holds the epoch and how many batches of it this loader yielded;
     after `load_state_dict` the next iteration gives exactly the rest of that epoch. It counts
@@ -130,7 +132,8 @@ class TokenLoader(IterableDataset):
         self.block_size = _count("block_size", block_size)
         buffer_size = _count("buffer_size", buffer_size or max(1, _BUFFER_BYTES // row_bytes))
         self.buffer_size = -(-buffer_size // self.batch_size) * self.batch_size
-        self.epoch = 0
+        # in shared memory: set_epoch reaches the copies in DataLoader workers, persistent ones too
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._resume = 0  # batches of `epoch` the next iteration skips (set by load_state_dict)
         self._position = 0  # batches of `epoch` yielded so far
         self._spare: dict[str, np.ndarray] | None = None  # the buffer of the last iteration, for the next
@@ -139,12 +142,18 @@ class TokenLoader(IterableDataset):
         start, stop = self._segment()
         return -(-(stop - start) // self.batch_size)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order the next iteration follows (`set_epoch`)."""
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows (as ``DistributedSampler.set_epoch``).
         The same epoch as a loaded state's keeps its position, so a resumed loop may call it."""
         epoch = _count("epoch", epoch, least=0)
         if epoch != self.epoch:
-            self.epoch, self._resume, self._position = epoch, 0, 0
+            self._epoch.fill_(epoch)
+            self._resume, self._position = 0, 0
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, the batches of it yielded so far, and the settings the order depends on."""
@@ -163,7 +172,7 @@ class TokenLoader(IterableDataset):
         batches = _count("batches", state["batches"], least=0)
         if batches > len(self):
             raise ArgumentError(f"the state says {batches} batches were read, but an epoch has {len(self)}: pass a state of this loader")
-        self.epoch = _count("epoch", state["epoch"], least=0)
+        self._epoch.fill_(_count("epoch", state["epoch"], least=0))
         self._resume = self._position = batches
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
