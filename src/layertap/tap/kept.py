@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -113,6 +114,18 @@ class _Store:
                 kept[0] = (index, value, guards)
 
 
+def _compiled_hint() -> str:
+    """Why a layer may seem not to run where torch.compile has compiled code in this process."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None or not dynamo.counters["frames"].get("ok"):
+        return ""
+    return (
+        "; or the model ran inside a function torch.compile'd before the tap started, whose code skips hooks added "
+        "later (edit= too): call torch._dynamo.reset() after starting the tap, or compile the model itself "
+        "(torch.compile(model)), which runs eagerly while tapped"
+    )
+
+
 class Kept:
     """A tap's stores, one per captured kind, and the replicas of ``nn.DataParallel`` they gather."""
 
@@ -192,7 +205,7 @@ class Kept:
                 f"layer {layer!r} is tapped but has no {kind} yet: nothing was recorded since the "
                 f"tap started (or since clear()) because {when}. Check that the forward "
                 f"{'and backward ' if kind.startswith('grad') else ''}went through this layer "
-                f"(calling module.forward() directly bypasses hooks)"
+                f"(calling module.forward() directly bypasses hooks){_compiled_hint()}"
             )
         values: list[Any] = []
         lost: list[int] = []
