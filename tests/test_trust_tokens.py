@@ -192,3 +192,39 @@ def test_a_statistics_count_that_is_not_a_count_is_refused(made, tmp_path, count
         stats["count"] = count
     write_meta(out, "npy", meta)
     refused(out, r"its statistics of 'layers\.0' are not a count, a mean and std per feature, and a mean norm")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"doc_ids": ["a", "a", "b", "c", "d", "e"]}, "its token card's document ids are not unique"),
+        ({"doc_ids": [1, "1", 3, 4, 5, 6]}, "its token card's document ids are not unique"),
+        ({"doc_ids": [True, 2, 3, 4, 5, 6]}, "its token card's document ids are not a list of one id"),
+        ({"pack": "yes"}, "its token card's pack is not true or false, or its token policy is not a name"),
+        ({"tokens": 5}, "its token card's pack is not true or false, or its token policy is not a name"),
+        ({"num_tokens": 5}, "it is complete, but its token card's count or its statistics do not count its \\d+ tokens in every layer"),
+    ],
+    ids=["repeated ids", "an id as number and text", "a boolean id", "pack not a boolean", "policy not a name", "num_tokens"],
+)
+def test_a_card_that_contradicts_itself_or_its_arrays_is_refused(made, tmp_path, change, message):
+    out = copy(made, tmp_path, "npy")
+    with layertap.open_tokens(out) as store:
+        assert store.card["num_documents"] == 6 and store.card["pack"] is False
+    edit_card(out, "npy", **change)
+    refused(out, message)
+
+
+@pytest.mark.parametrize("change", ["drop a layer", "count one less", "drop all"])
+def test_a_complete_store_whose_statistics_miss_tokens_or_layers_is_refused(made, tmp_path, change):
+    """A complete store's statistics count every token of every layer: what would read as a bare
+    KeyError, or as statistics of other rows, is refused when the store is opened."""
+    out = copy(made, tmp_path, "npy")
+    meta = read_meta(out, "npy")
+    if change == "drop a layer":
+        del meta["token_stats"][LAYERS[1]]
+    elif change == "count one less":
+        meta["token_stats"][LAYERS[0]]["count"] -= 1
+    else:
+        del meta["token_stats"]
+    write_meta(out, "npy", meta)
+    refused(out, "it is complete, but its token card's count or its statistics do not count its \\d+ tokens in every layer")

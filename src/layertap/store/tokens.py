@@ -100,8 +100,12 @@ def _check_documents(card: dict, meta: dict, rows: int, where: Any) -> int:
         raise _bad(where, f"its token card's num_documents {printable(repr(n))[:100]} is not a count (an integer from 0)")
     if settings.get("documents", n) != n:
         raise _bad(where, f"its token card's num_documents {n} is not the number of documents its settings name")
-    if not (ids is None or (isinstance(ids, list) and len(ids) == n and all(isinstance(d, (str, int)) for d in ids))):
+    if not (ids is None or (isinstance(ids, list) and len(ids) == n and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in ids))):
         raise _bad(where, "its token card's document ids are not a list of one id (text or integer) per document")
+    if ids is not None and len({str(d) for d in ids}) != n:  # as the corpus refuses them: 1 and "1" are one id
+        raise _bad(where, "its token card's document ids are not unique")
+    if not isinstance(card.get("pack"), bool) or not isinstance(card.get("tokens"), str):
+        raise _bad(where, "its token card's pack is not true or false, or its token policy is not a name")
     indices: list[Any] = [s[0] if isinstance(s, list) and len(s) == 3 else None for s in skipped] if isinstance(skipped, list) else [None]
     if not all(_is_count(i) and i < n for i in indices) or indices != sorted(set(indices)):
         raise _bad(where, "its token card's skipped documents are not a list of [index, id, error], in order, each one of its documents")
@@ -182,6 +186,10 @@ class TokenStore:
                 _is_floats(s.get(k), widths[layer]) for k in ("mean", "std")
             ):
                 raise _bad(where, f"its statistics of {layer!r} are not a count, a mean and std per feature, and a mean norm")
+        if self.features.complete:  # a complete store was counted whole: every layer, every token
+            rows = len(self)
+            if card.get("num_tokens") != rows or sorted(stats) != sorted(layers) or any(s["count"] != rows for s in stats.values()):
+                raise _bad(where, f"it is complete, but its token card's count or its statistics do not count its {rows} tokens in every layer")
         return card, stats
 
     # ------------------------------------------------------------------------------ reading
