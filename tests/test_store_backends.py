@@ -41,3 +41,16 @@ def test_the_size_estimate_compresses_as_the_store_does(tmp_path):
     stored = (tmp_path / "s.zarr" / "features" / "layer" / "c" / "0" / "0").stat().st_size
     assert stored < data.nbytes  # compressed, so the comparison says something
     assert _Codec.ratio({"layer": data}) * data.nbytes == stored
+
+
+def test_an_hdf5_file_this_process_holds_open_names_closing_it(tmp_path):
+    """HDF5 refuses to open a file for writing that this process has open for reading (a store opened
+    to look at a killed run, not closed): the fix is to close it, not to delete the file."""
+    import h5py
+
+    data = np.ones((8, 4), dtype=np.float32)
+    plan = StorePlan(array_specs([("layer", None, (4,), "float32")]), 8, 8, None, None, {"layer": data})
+    StoreWriter.create(tmp_path / "s.h5", "hdf5", {"settings": {}, "layers": ["layer"]}, plan).close()
+    with h5py.File(tmp_path / "s.h5", "r"), pytest.raises(StoreError, match=r"already open.*; close the store this process has open on it \(store\.close\(\)"):
+        StoreWriter.open(tmp_path / "s.h5")
+    StoreWriter.open(tmp_path / "s.h5").close()  # closed: it opens

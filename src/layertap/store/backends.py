@@ -284,6 +284,10 @@ class _ZarrBackend(_Backend):
         self._written.clear()
 
 
+_HELD = "close the store this process has open on it (store.close(), or a with block) and run again"
+_TORN = "an HDF5 file is not safe from a crash while it is written: if a run was killed, delete the file and run again, or use Zarr, which resumes after a crash"
+
+
 class _HDF5Backend(_Backend):
     format = "hdf5"
     SUFFIXES = (".h5", ".hdf5", ".hdf")
@@ -304,11 +308,8 @@ class _HDF5Backend(_Backend):
             # no chunk cache: a write reaches the file (and fails there, on a full disk) when made,
             # not when HDF5 evicts it later, where h5py can only print the error
             self.file = self.h5py.File(path, mode, rdcc_nbytes=0)
-        except OSError as e:
-            raise StoreError(
-                f"cannot open the HDF5 file {path} ({e}); an HDF5 file is not safe from a crash while it is "
-                "written: if a run was killed, delete the file and run again, or use Zarr, which is"
-            ) from e
+        except OSError as e:  # "already open": this process holds it (a store opened and not closed)
+            raise StoreError(f"cannot open the HDF5 file {path} ({e}); " + (_HELD if "already open" in str(e) else _TORN)) from e
 
     @classmethod
     def holds(cls, path: Location) -> bool:
