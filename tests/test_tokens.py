@@ -331,19 +331,20 @@ def test_every_input_form_gives_the_store_of_the_list_of_strings(llama, stores, 
 
 
 BAD = {
-    "missing": ([TEXTS[0], None, TEXTS[2]], 1),
-    "a number": ([TEXTS[0], TEXTS[1], 7], 2),
-    "a list of words": ([["a", "cat"], TEXTS[1]], 0),
+    "missing": ([TEXTS[0], None, TEXTS[2]], 1, "is missing"),
+    "a number": ([TEXTS[0], TEXTS[1], 7], 2, "is a int, not a string"),
+    "a list of words": ([["a", "cat"], TEXTS[1]], 0, "is a list, not a string"),
+    "float token ids": ([[2.0, 9.0], [3.0]], 0, "is a list of float64 numbers, not a string or token ids (integers: cast them"),
 }
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_a_bad_document_is_a_one_line_error_naming_its_index(llama, case, tmp_path):
-    texts, index = BAD[case]
+    texts, index, what = BAD[case]
     with pytest.raises(DataError) as e:
         run(llama, texts, tmp_path / "e.zarr")
     message = str(e.value)
-    assert "\n" not in message and f"document {index}" in message and "on_error='skip'" in message
+    assert "\n" not in message and f"document {index}" in message and what in message and "on_error='skip'" in message
 
 
 def test_a_record_without_text_is_named_by_its_index(llama, tmp_path):

@@ -141,7 +141,15 @@ def _bad(corpus: Corpus, i: int, doc: Any) -> str | None:
         return None if values is not None and values.ndim == 1 and (values.dtype.kind in "iu" or values.size == 0) else f"is {type(doc).__name__}, not token ids"
     if doc is None:
         return "is missing"
-    return None if isinstance(doc, str) else f"is a {type(doc).__name__}, not a string"
+    if isinstance(doc, str):
+        return None
+    try:
+        kind = np.asarray(doc).dtype if hasattr(doc, "__len__") and not isinstance(doc, (bytes, dict)) else None
+    except (ValueError, TypeError, RuntimeError):  # ragged, or nothing NumPy reads
+        kind = None
+    if kind is not None and kind.kind in "fcb":  # token ids of the wrong type, read as text
+        return f"is a {type(doc).__name__} of {kind} numbers, not a string or token ids (integers: cast them, e.g. to int64)"
+    return f"is a {type(doc).__name__}, not a string"
 
 
 def _special_mask(tokenizer: Any, ids: np.ndarray) -> np.ndarray:
