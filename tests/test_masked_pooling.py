@@ -139,6 +139,37 @@ def test_a_feature_map_with_tokens_past_dim_1_is_refused_not_pooled_with_its_pad
         close(pooled[spec], t[spec].mean((2, 3)) if reduce == "mean" else t[spec].amax((2, 3)))
 
 
+class Maps(nn.Module):
+    """A text model with two 4-D maps of its tokens: [B, 4, T, T] (tokens past dim 1) and
+    [B, T, 2, T] (tokens on dim 1, as an unflattened [B, T, heads, head dim] with head dim == T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.square, self.split = nn.Identity(), nn.Identity()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(input_ids)
+        return self.square(torch.einsum("btc,bsc->bcts", x, x)), self.split(x[:, :, None, :1].expand(-1, -1, 2, x.size(1)))
+
+
+def test_only_a_padding_mask_with_tokens_past_dim_1_is_refused():
+    """No padding in the batch, or tokens on dim 1 (pooling keeps them apart): pooled as any map."""
+    torch.manual_seed(0)
+    model, ids = Maps(), torch.randint(0, 10, (2, 5))
+    for mask, refused in ((torch.ones(2, 5, dtype=torch.long), False), (torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), True)):
+        with torch.no_grad(), layertap.tap(model, "split", reduce="mean") as t, layertap.tap(model, "split") as whole:
+            model(ids, mask)
+        close(t["split"], whole["split"].mean((2, 3)))
+        with torch.no_grad(), layertap.tap(model, "square", reduce="mean") as t, layertap.tap(model, "square") as whole:
+            if refused:
+                with pytest.raises(layertap.TapError, match=r"reduce='mean' would pool the padding .* \[2, 4, 5, 5\] \(tokens on dim 2, not 1\)"):
+                    model(ids, mask)
+            else:
+                model(ids, mask)
+                close(t["square"], whole["square"].mean((2, 3)))
+
+
 class Prepends(nn.Module):
     """Token embeddings with a learned token put first: [B, T + 1, C], which a [B, T] mask does not fit."""
 

@@ -280,8 +280,7 @@ def test_modules_without_op_taps_are_left_alone():
     model = torchvision.models.resnet18().eval()
     with layertap.tap(model, ["layer2", "layer1.0:add_"]):
         wrapped = {name for name, m in model.named_modules() if "forward" in m.__dict__}
-    # layer1.0 runs in its frame, its descendants (no hooks of their own) in blind ones; nothing else is touched
-    assert wrapped == {name for name, _ in model.named_modules() if name == "layer1.0" or name.startswith("layer1.0.")}
+    assert wrapped == {"layer1.0"}  # its descendants get blind frames from hooks, not forwards set on them
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
@@ -322,8 +321,8 @@ class TwoSoftmaxes(nn.Module):
 
 
 def test_childrens_ops_stay_theirs_with_or_without_hooks_and_forwards_come_back():
-    """Children without hooks run in a blind forward, children with hooks in blind hooks: either
-    way their softmax is not the parent's, whose own softmax is call #1."""
+    """A child's softmax, in its forward or in a user's hook on it, is not the parent's, whose own
+    softmax is call #1; a forward set on a child's instance is left as it is."""
     torch.manual_seed(0)
     model = nn.Sequential(TwoSoftmaxes())
     x = torch.randn(2, 4)
@@ -340,6 +339,26 @@ def test_childrens_ops_stay_theirs_with_or_without_hooks_and_forwards_come_back(
     torch.testing.assert_close(taps["0:softmax#1"], torch.softmax(torch.softmax(x, -1) * 3, -1), rtol=0, atol=0)
     assert signature == inspect.signature(own)
     assert model[0].last.__dict__["forward"] is own and "forward" not in model[0].first.__dict__
+
+
+def test_taps_on_a_module_and_its_child_may_end_in_any_order():
+    """Two taps, one on an op of a block and one on an op of its child, the first ended first: the
+    second still captures, nothing is left on the model, and a copy of it computes with its own weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Summed())
+    x = torch.randn(2, 4)
+    outer = layertap.tap(model, "0:sum").__enter__()
+    inner = layertap.tap(model, "0.proj:linear").__enter__()
+    outer.__exit__(None, None, None)
+    with torch.no_grad():
+        model(x)
+    inner.__exit__(None, None, None)
+    torch.testing.assert_close(inner["0.proj:linear"], model[0].proj(x).detach(), rtol=0, atol=0)
+    assert all("forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].proj.weight.zero_(), twin[0].proj.bias.zero_()
+        assert torch.equal(twin(x), torch.zeros(2)) and not torch.equal(model(x), torch.zeros(2))
 
 
 def test_op_taps_under_inference_mode_and_compile():

@@ -10,6 +10,7 @@ whole by NumPy (``np.asarray(store[layer])``), indexed by the batch's ``"index"`
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -206,7 +207,8 @@ def test_dataloader_workers_give_the_same_batches_once_each(stores, name):
 def test_set_epoch_reaches_persistent_workers(stores, start):
     """Persistent workers keep their copy of the loader from one epoch to the next: the epoch is in
     shared memory, so each epoch of theirs is the main process's, not epoch 0 again."""
-    loader = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+    original = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+    loader = copy.deepcopy(original)  # a deep copy's epoch is shared memory of its own
     data = torch.utils.data.DataLoader(loader, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=start)
     for number in (0, 1, 2):
         loader.set_epoch(number)
@@ -214,7 +216,7 @@ def test_set_epoch_reaches_persistent_workers(stores, start):
         alone = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
         alone.set_epoch(number)
         assert got == sorted(tuple(b["index"].tolist()) for b in epoch(alone)), number
-    assert loader.state_dict()["epoch"] == 2
+    assert loader.state_dict()["epoch"] == 2 and original.epoch == 0
 
 
 def test_a_pickled_loader_opens_its_store_again(stores):

@@ -132,8 +132,7 @@ class TokenLoader(IterableDataset):
         self.block_size = _count("block_size", block_size)
         buffer_size = _count("buffer_size", buffer_size or max(1, _BUFFER_BYTES // row_bytes))
         self.buffer_size = -(-buffer_size // self.batch_size) * self.batch_size
-        # in shared memory: set_epoch reaches the copies in DataLoader workers, persistent ones too
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._epoch = _shared(torch.zeros((), dtype=torch.int64))
         self._resume = 0  # batches of `epoch` the next iteration skips (set by load_state_dict)
         self._position = 0  # batches of `epoch` yielded so far
         self._spare: dict[str, np.ndarray] | None = None  # the buffer of the last iteration, for the next
@@ -206,6 +205,10 @@ class TokenLoader(IterableDataset):
             self._maps = _memory_maps(self._store, self.layers)
         return self._store
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a worker's copy shares the epoch (torch's pickler sends shared memory as it is); a deep copy gets its own
+        self.__dict__.update(state, _epoch=_shared(state["_epoch"]))
+
     def __getstate__(self) -> dict[str, Any]:
         # a spawned worker reopens the store from its path rather than unpickling a file handle
         state = dict(self.__dict__, _spare=None)
@@ -277,6 +280,17 @@ class TokenLoader(IterableDataset):
         batch["index"] = torch.from_numpy(index)
         batch.update({key: torch.from_numpy(np.take(buffer[key], rows)) for key in COLUMNS})
         return batch
+
+
+def _shared(epoch: torch.Tensor) -> torch.Tensor:
+    """The epoch in shared memory, so that `set_epoch` reaches DataLoader workers' copies (persistent
+    ones keep theirs from epoch to epoch); where the system has none, in the process's own."""
+    if epoch.is_shared():
+        return epoch
+    try:
+        return epoch.clone().share_memory_()
+    except RuntimeError:  # no shared memory here (no /dev/shm): workers cannot start either
+        return epoch.clone()
 
 
 def _memory_maps(store: Any, layers: list[str]) -> dict[str, np.ndarray]:

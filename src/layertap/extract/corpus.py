@@ -123,7 +123,8 @@ def _json_rows(path: Path, text_field: str) -> list:
         if not isinstance(value, list):
             raise DataError(f"{path} holds a JSON {type(value).__name__}, not a list of records: give a list, or a .jsonl file")
         return value
-    return [_json(line, path, n, text_field) for n, line in enumerate(_lines(text), 1) if line.strip()]
+    # a JSON text holds no raw line break: any of \r\n, \r, \n ends a record
+    return [_json(line, path, n, text_field) for n, line in enumerate(re.split(r"\r\n|\r|\n", text), 1) if line.strip()]
 
 
 def _json(text: str, path: Path, line: int | None, text_field: str) -> Any:

@@ -109,10 +109,7 @@ class Tap(Mapping):
         self._modules.update(edits.modules | runs.modules)
         self._sites.update((name, op) for name, op in (edits.ops | runs.ops).items() if name not in self._sites)
         self._ops = OpTaps(self._sites, chosen.star, self._modules, weak(self._op_hook), changes={*self._edits, *self._runs})
-        if self._ops and self._kept.parallel:
-            raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
-        if sharded is not None:
-            sharded.check_ops([*self._sites, *(f"{m}:*" for m in sorted(chosen.star))])
+        self._ops.refuse(self._kept.parallel, None if sharded is None else sharded.check_ops)
         gather = None if sharded is None else lambda t: whole(t, options.gather)
         self._transform = make_transform(detach=options.detach, to=options.to, dtype=options.dtype, reduce=options.reduce, whole=gather)
         # who may read the call's mask, and the modules whose own mask it may be (masks.py)

@@ -238,6 +238,12 @@ def real_tokens(batch: int, length: int) -> torch.Tensor | None:
     return None
 
 
+def _pads(batch: int, length: int) -> bool | None:
+    """Whether a running ``[batch, length]`` mask hides a token (None: no such mask runs)."""
+    real = real_tokens(batch, length)
+    return None if real is None else not bool(real.all())
+
+
 def first_real(real: torch.Tensor) -> torch.Tensor:
     """The position of each row's first real token (0 for a row without one)."""
     return real.to(torch.uint8).argmax(1)  # argmax gives the first of equal maxima
@@ -253,8 +259,9 @@ def pooled(t: torch.Tensor, how: str) -> torch.Tensor | None:
     no running mask is ``[B, T]``."""
     real = real_tokens(t.size(0), t.size(1)) if t.dim() == 3 else None
     if real is None:
-        # a feature map's pooled dims (all past 1): one as long as a running mask is tokens, padding included
-        padded = [d for d in range(2, t.dim()) if t.dim() > 3 and real_tokens(t.size(0), t.size(d)) is not None]
+        # a feature map's pooled dims (all past 1): one as long as a running mask that pads is taken for tokens
+        # (an attention op's [B, heads, T, head dim]); not with tokens on dim 1, which pooling keeps apart
+        padded = [d for d in range(2, t.dim()) if t.dim() > 3 and _pads(t.size(0), t.size(d)) and _pads(t.size(0), t.size(1)) is None]
         if padded:
             raise ValueError(
                 f"reduce={how!r} would pool the padding of the running [batch, {t.size(padded[0])}] attention_mask into "

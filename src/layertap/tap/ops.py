@@ -10,12 +10,12 @@ Ops inside a module (``"layer1.0:add_"``, ``"**.attn:softmax"``; see `layertap.s
   ops inside a child's call (its hooks included, and layertap's own hooks with the ``observe``/
   ``edit`` functions they call) are not the parent's. Only a hook added to a child after the tap
   started, or a global module hook, runs outside that and counts for the parent. Ops inside an op are not seen (``F.softmax`` is one op, not also ``Tensor.softmax``).
-- Cost: nothing for modules outside those with op taps, whose forwards are untouched. Inside a
-  wrapped forward every torch function call passes through one Python function (a few
-  microseconds); only the tapped ops do more. A descendant with hooks gets its blind frame from
-  two more hooks (around its hooks too); one without gets it from a forward set on the instance,
-  which spares ``Module.__call__`` its slower path with hooks. Everything is restored when the
-  tap ends, on exceptions too.
+- Cost: nothing for modules without op taps, whose forwards are untouched. Inside a wrapped
+  forward every torch function call passes through one Python function (a few microseconds);
+  only the tapped ops do more. Everything is restored when the tap ends, on exceptions too.
+  Descendants get their blind frames from hooks, not from forwards set on them: another tap or
+  library may set or remove a child's forward while this one runs, and a copy of the model made
+  meanwhile (``copy.deepcopy``, DataParallel's replicas) would keep a forward bound to the original.
 - An op's output, inputs (the tensor for an op on one tensor, else ``Inputs(args, kwargs)``),
   ``grad``, ``grad_input``, ``edit`` and ``stop_early`` work as for modules, with the same
   in-place guarantee: ``add_`` is captured before a later ``relu_`` changes it.
@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from .. import nested
-from ..errors import LayerNotFoundError
+from ..errors import LayerNotFoundError, TapError
 from ..select import OpName
 
 # Python operators reach a mode under their dunder names; the tap names them as torch does
@@ -222,16 +222,28 @@ class OpTaps:
     def __bool__(self) -> bool:
         return bool(self.sites or self.star)
 
+    @property
+    def names(self) -> list[str]:
+        """The tapped, edited and replaced ops' names, and ``"module:*"`` for each module tapped whole."""
+        return [name for ops in self.sites.values() for entries in ops.values() for name, _ in entries] + [f"{m}:*" for m in sorted(self.star)]
+
+    def refuse(self, parallel: bool, sharded: Callable[[list[str]], None] | None) -> None:
+        """Refuse op taps a model split across devices cannot give whole: under ``nn.DataParallel``
+        (``parallel``), or on a tensor-parallel one (``sharded``: its check, `layertap.tap.sharded`)."""
+        if self and parallel:
+            raise TapError("op taps are not supported under nn.DataParallel: tap model.module")
+        if self and sharded is not None:
+            sharded(self.names)
+
     def register(self, handles: list[RemovableHandle], restore: contextlib.ExitStack) -> None:
         """Frame the forwards of the modules with tapped ops (undone by ``handles`` and ``restore``)."""
         # every module with tapped ops runs its forward in its own frame; around the whole call of
-        # it and of each of its descendants (their hooks included, if any) a blind frame hides
-        # their ops from the module that called them
+        # it and of each of its descendants (their hooks included) a blind frame hides their ops
+        # from the module that called them
         sited = list(dict.fromkeys([*self.sites, *sorted(self.star)]))
         if self._framed is None:  # found once: a tap entered batch after batch walks the modules once
             self._framed = list({id(m): m for site in sited for m in self._modules[site].modules()}.values())
         thread = self._thread
-        sites = {id(self._modules[site]) for site in sited}
 
         def blind(module: nn.Module, args: tuple) -> None:
             frames = thread.frames
@@ -243,17 +255,9 @@ class OpTaps:
             if frames:
                 frames.pop()
 
-        blinded: list[tuple[nn.Module, Any]] = []
         for module in self._framed:
-            if id(module) in sites or _hooked(module):  # the blind frame around its hooks too
-                handles.append(module.register_forward_pre_hook(blind, prepend=True))
-                handles.append(module.register_forward_hook(see, always_call=True))
-            else:  # no hooks to include: a blind forward spares Module.__call__ its slow path, a call and an entry
-                state = module.__dict__
-                blinded.append((module, state.get("forward")))
-                state["forward"] = _blind_forward(module.forward, thread)
-        if blinded:
-            restore.callback(_restore_forwards, blinded)
+            handles.append(module.register_forward_pre_hook(blind, prepend=True))
+            handles.append(module.register_forward_hook(see, always_call=True))
         for site in sited:
             self._frame_forward(self._modules[site], site, restore)
         if self._changes:
@@ -355,39 +359,6 @@ class OpTaps:
             f"op {op.op!r} {wrong}; its own forward calls: {calls}. Ops inside a child module belong "
             f"to the child (tap 'child:op'); list them with layertap.summary(model, x, ops=True)"
         )
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has hooks of its own (their ops are hidden with its forward's), or is scripted."""
-    return bool(
-        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
-    ) or isinstance(module, torch.jit.ScriptModule)
-
-
-def _blind_forward(forward: Callable[..., Any], thread: _Thread) -> Callable[..., Any]:
-    """``forward`` run in a blind frame inside a framed forward: its ops are not the caller's."""
-
-    def blind(*args: Any, **kwargs: Any) -> Any:
-        frames = thread.frames
-        if not frames:
-            return forward(*args, **kwargs)
-        depth = len(frames)
-        frames.append(None)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            del frames[depth:]
-
-    blind.__wrapped__ = forward  # type: ignore[attr-defined]  # inspect.signature reads the module's own
-    return blind
-
-
-def _restore_forwards(blinded: list[tuple[nn.Module, Any]]) -> None:
-    for module, own in blinded:
-        if own is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = own
 
 
 def _own_calls(seen: Mapping[str, int]) -> str:
