@@ -187,3 +187,17 @@ def test_default_layer(case: Case):
     windows = {name: positions for name, _, positions in later if matches(name, case.windows)}
     assert bool(windows) == bool(case.windows), f"no map finishing later matches {case.windows}"
     assert all(p == 1 for p in windows.values()), f"a padded window's gradient reaches its one real position: {windows}"
+
+
+def test_the_default_layer_of_a_model_in_training_mode_is_found_on_the_batch():
+    """In training mode BatchNorm fails on one image whose map is 1 x 1 (resnet18's layer4 at 32 px),
+    which a probe of one image was: the probe runs the call's first batch, and finds the layer
+    eval mode finds; the heatmaps equal those of the layer named."""
+    torch.manual_seed(0)
+    model, x = torchvision.models.resnet18(), torch.randn(2, 3, 32, 32)
+    found = GradCAM(model.eval(), progress=False)
+    found(x, [1, 2])
+    cam = GradCAM(model.train(), progress=False)
+    maps = cam(x, [1, 2])
+    assert cam.layers == found.layers == ["layer3"]
+    torch.testing.assert_close(maps, GradCAM(model, "layer3", progress=False)(x, [1, 2]), rtol=0, atol=1e-6)

@@ -218,8 +218,10 @@ class CAM(HeatmapMethod):
 
     def _call(self, inputs: torch.Tensor, targets: Targets, per_image: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
         """`__call__` once its arguments are checked."""
-        if self.layers is None:  # one image is enough to find the layer: the probe is a full backward
-            self.layers = [self._default_layer(inputs[:1], targets if per_image is None else per_image[:1])]
+        if self.layers is None:  # one image is enough to find the layer: the probe is a full backward;
+            # in training mode, the first batch the call runs (BatchNorm fails on one image's 1 x 1 map)
+            n = (self.batch_size or len(inputs)) if self.model.training else 1
+            self.layers = [self._default_layer(inputs[:n], targets if per_image is None else per_image[:n])]
         step = self.batch_size or len(inputs)
         several = step < len(inputs)
         maps: list[torch.Tensor] = []
