@@ -388,6 +388,37 @@ def test_edit_ablates_a_channel_downstream():
     torch.testing.assert_close(t["fc1"], h)  # the captured value is what flowed downstream
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda n, o: o[:, :100], "a [2, 100] float32 on cpu tensor where the layer gave [2, 256] float32 on cpu"),
+        (lambda n, o: o.double(), "a [2, 256] float64 on cpu tensor where the layer gave [2, 256] float32 on cpu"),
+        (lambda n, o: (o, o), "2 tensor(s) where the layer gave 1"),
+    ],
+)
+def test_an_edit_of_another_shape_or_dtype_is_named_under_the_next_layers_error(edit, said):
+    """PyTorch's error comes from fc2 and names neither the edit nor fc1: the tap adds a note that does."""
+    model = MLP()
+    hooks = hook_state(model)
+    with pytest.raises((RuntimeError, TypeError)) as caught, layertap.tap(model, "fc1", edit=edit):
+        model(torch.randn(2, 784))
+    notes = getattr(caught.value, "__notes__", [])
+    assert len(notes) == 1 and f"the edit= of 'fc1' returned {said}." in notes[0], notes
+    assert hook_state(model) == hooks
+
+
+def test_an_edit_that_keeps_the_kind_or_an_error_before_any_edit_gets_no_note():
+    model = MLP()
+    # an op's edit, same shape and dtype: whatever error follows is not the edit's
+    with pytest.raises(RuntimeError) as caught, layertap.tap(model, "fc1:linear", edit=lambda n, o: o * 2):
+        model(torch.randn(2, 784))
+        model(torch.randn(2, 5))  # fc1 itself fails: no edit ran in this forward
+    assert not getattr(caught.value, "__notes__", None)
+    # an edit that changes the shape on purpose, at the model's end: nothing fails, nothing said
+    with layertap.tap(model, "fc2", edit=lambda n, o: o.mean(0)):
+        assert model(torch.randn(2, 784)).shape == (10,)
+
+
 def test_edit_dict_patches_other_layer_and_none_means_unchanged():
     model = MLP()
     x = torch.randn(2, 784)

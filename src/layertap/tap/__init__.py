@@ -5,6 +5,8 @@ Where each part lives (each file's docstring says how its mechanism works):
 - ``core.py``: `Tap` (checks the options, resolves the layers once, owns the hooks' lifetime and
   runs the hook bodies) and `tap`, which makes it;
 - ``options.py``: what `tap` is given (kinds, keep policies) and the checks of the options together;
+- ``edits.py``: ``edit=`` and ``replace=`` resolved and run, and an edit's result unlike its layer's
+  value named in a note on the error that follows;
 - ``controls.py``: ``detach``, ``reduce``, ``dtype`` and ``to``, applied to each tensor in the hook;
 - ``kept.py``: the keep policy's stores, the DataParallel replicas' parts, the views that read them;
 - ``inplace.py``: which values a later in-place op changes (learned, shared by taps), version guards;

@@ -54,11 +54,12 @@ from . import masks
 from .compiled import eager
 from .controls import DType, Reduce, capture_failed, make_transform, shares_memory
 from .copies import Copies
+from .edits import Changes, applied, edited, ran, replaced
 from .grads import Call, Gradients, Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View, _Store
-from .ops import OpTaps, hidden, op_name, returns_tensor, shown, weak
-from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied, edited, replaced
+from .ops import OpTaps, hidden, op_name, returns_tensor, weak
+from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied
 from .recompute import recomputing
 from .sharded import Sharded, arrived, whole
 
@@ -101,7 +102,8 @@ class Tap(Mapping):
         self._kept = Kept(model, kinds, self.keep, warns=self.keep == "last" and self._observe is None)
         if self._kept.parallel and self.stop_early:
             raise TapError("stop_early=True is not supported under nn.DataParallel: tap model.module, or drop stop_early")
-        edits = edited(options.edit, chosen, self.names)
+        self._changes = Changes()  # what an edit returns unlike its layer, named on an error (edits.py)
+        edits = edited(options.edit, chosen, self.names, self._changes)
         self._sharded = sharded = Sharded.of(chosen.every, options.gather)  # tensor-parallel parts seen whole (sharded.py)
         self._edits = edits.functions if sharded is None else {n: sharded.edit(f) for n, f in edits.functions.items()}
         runs = replaced(options.replace, chosen, self.names)  # ops only: their modules are the ops' owners
@@ -167,7 +169,10 @@ class Tap(Mapping):
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.remove()
-        return isinstance(exc, _StopForward) and exc.tap is self
+        if isinstance(exc, _StopForward) and exc.tap is self:
+            return True
+        self._changes.annotate(exc)
+        return False
 
     def remove(self) -> None:
         """Remove every hook now (idempotent); captured values stay readable."""
@@ -213,6 +218,7 @@ class Tap(Mapping):
         if recomputing():  # a checkpoint's recomputation of the model: no new forward (recompute.py)
             return
         self._fired.clear()
+        self._changes.forward_started()
         self._copies.forward_started()
         self._inplace.forward_started(self._calls)
         self._kept.forward_started(self._calls)
@@ -320,7 +326,7 @@ class Tap(Mapping):
         """One call of a tapped op, or of any op of a module tapped whole (``star``), inside its
         module's forward (see `layertap.tap.ops`): captured as a module's call would be."""
         if recomputing():  # a checkpoint's recomputation: the op runs (or is replaced) and is edited again, nothing taken
-            return self._edited(hits, out) if returns_tensor(out := self._run(hits, func, args, kwargs)) else out
+            return applied(self._edits, hits, out) if returns_tensor(out := ran(self._runs, hits, func, args, kwargs)) else out
         tapped = [name for name in hits if name in self._tapped]
         module = self._modules[owner]
         # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)
@@ -336,7 +342,7 @@ class Tap(Mapping):
             args, kwargs = _arguments(single, value, kwargs)
         if self._want_grads:
             call.saw((args, kwargs))
-        out = self._run(hits, func, args, kwargs)
+        out = ran(self._runs, hits, func, args, kwargs)
         if call.swaps:
             call.rebase()
         if not saw(out):
@@ -344,20 +350,12 @@ class Tap(Mapping):
         if star is not None:
             self._found(every, star, module, _given(single, args, kwargs), call, index, grads)
             tapped.append(every)
-        out = self._edited(hits, out)
+        out = applied(self._edits, hits, out)
         if not self._only_inputs:
             for name in tapped:
                 self._started(name)
                 out = self._take_output(name, module, out, None, call)
         return out
-
-    def _run(self, hits: list[str], func: Any, args: tuple, kwargs: dict) -> Any:
-        """The op's call, or in its place the first ``replace=`` function of the names it hits."""
-        for name in hits:
-            run = self._runs.get(name)
-            if run is not None:
-                return run(name, func, args, kwargs)
-        return shown(func, args, kwargs)
 
     def _op_inputs(self, tapped: list[str], module: nn.Module, single: bool, args: tuple, kwargs: dict, call: Call) -> tuple[tuple, dict]:
         """Capture the inputs of an op's call; returns its arguments, with gradient hooks for ``grad_input``."""
@@ -366,15 +364,6 @@ class Tap(Mapping):
             self._started(name)
             value = self._take_input(name, module, value, None, call)
         return _arguments(single, value, kwargs) if self._want_grad_input else (args, kwargs)
-
-    def _edited(self, names: list[str], out: Any) -> Any:
-        """``out`` after the edits of ``names``, in turn: what each returns (unless None) replaces it."""
-        for name in names:
-            edit = self._edits.get(name)
-            new = edit(name, out) if edit is not None else None
-            if new is not None:
-                out = new
-        return out
 
     def _star_grads(self, name: str, module: nn.Module, index: int, value: Any, call: Call) -> tuple[Any, Gradients | None]:
         """Gradient hooks on the input of a call of an op of a module tapped whole."""
@@ -563,6 +552,8 @@ def tap(
             ``with`` block.
         edit: ``f(name, output) -> new_output`` for every tapped layer, or ``{spec: f}``; the
             result (unless ``None``) replaces the output downstream, and is what is captured.
+            If it differs from the output in shape, dtype or device and an error leaves the
+            ``with`` block, the error gets a note naming the edit and both kinds.
         replace: ``f(name, func, args, kwargs) -> result`` for every tapped op, or ``{op spec: f}``:
             called *in place of* the op (``func(*args, **kwargs)`` is not run unless ``f`` runs
             it; of several naming one call, the first); its result is the op's, then edited

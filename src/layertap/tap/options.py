@@ -1,6 +1,6 @@
 """What `layertap.tap` is given: the kinds it captures, the keep policies, the checks of the options
-together, and ``copy=``, ``edit=`` and ``replace=`` resolved against the tapped layers; `Inputs`, the
-form a captured input of several arguments takes."""
+together, and ``copy=`` resolved against the tapped layers (``edit=`` and ``replace=``: `layertap.tap.edits`);
+`Inputs`, the form a captured input of several arguments takes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
-from torch import nn
 
 from ..errors import ArgumentError, TapError
-from ..select import Layers, OpName, Selection
+from ..select import Layers, Selection
 from .controls import DType, Reduce
 
 Kind = Literal["output", "input", "grad", "grad_input"]
@@ -87,48 +86,3 @@ def copied(copy: bool | Layers, chosen: Selection, tapped: list[str]) -> set[str
     if untapped:
         raise ArgumentError(f"copy= names layers that are not tapped: {untapped[:3]}; add them to the tapped layers, or use copy=True")
     return names
-
-
-class Edits(NamedTuple):
-    """``edit=`` (or ``replace=``) resolved: the function of each name, and the ops and modules named."""
-
-    functions: dict[str, Callable[..., Any]]
-    ops: dict[str, OpName]
-    modules: dict[str, nn.Module]
-
-
-def edited(edit: Edit | Replace, chosen: Selection, tapped: list[str], option: str = "edit") -> Edits:
-    """``edit=`` (or the ``option`` named, ``replace=``) resolved against the model's ``chosen``
-    layers (``tapped``: the names known now)."""
-    edits = Edits({}, {}, {})
-    if edit is None:
-        return edits
-    if callable(edit):
-        if chosen.star:
-            raise TapError(f"{option}= needs named ops, not 'module:*' (named only as they run): list them with summary(model, x, ops=True)")
-        edits.functions.update(dict.fromkeys(tapped, edit))
-        edits.ops.update((name, op) for name, op in chosen.ops.items() if name in edits.functions)
-        return edits
-    for spec, fn in edit.items():
-        found = chosen.select([spec])  # a tuple key is one (module, op) spec, not a list of specs
-        for name in found.names:
-            op = found.ops.get(name)
-            if op is not None and op.op == "*":
-                raise TapError(f"{option}= needs named ops, not {name!r}: list the ops with summary(model, x, ops=True)")
-            if op is not None:
-                edits.ops[name] = op
-            edits.functions[name] = fn
-        edits.modules.update(found.modules)
-    return edits
-
-
-def replaced(replace: Replace, chosen: Selection, tapped: list[str]) -> Edits:
-    """``replace=`` resolved: ops only, since a module's hooks cannot stand in for its forward."""
-    runs = edited(replace, chosen, tapped, "replace")
-    modules = [name for name in runs.functions if name not in runs.ops]
-    if modules:
-        raise TapError(
-            f"replace= stands in for ops inside a module's forward ('module:op'), and {modules[0]!r} is a module: "
-            "name its op (list them with summary(model, x, ops=True)), or change its output with edit="
-        )
-    return runs
