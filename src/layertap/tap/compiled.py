@@ -1,14 +1,22 @@
-"""Compiled modules run eagerly while tapped: a graph compiled before the hooks would skip them."""
+"""Compiled modules run eagerly while tapped: a graph compiled before the hooks would skip them.
+A compiled wrapper outside the tapped model (``torch.compile(model)`` called while ``model`` is
+tapped) is not seen; with ``fullgraph=True`` Dynamo then traces the hooks and fails, which
+`traced` turns into one line naming the fix."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 from torch import nn
 
+from ..errors import TapError
 from ..select import wrapped_child
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # layertap's own files, as tracebacks name them
 
 
 @contextlib.contextmanager
@@ -36,3 +44,16 @@ def eager(modules: Iterable[nn.Module]) -> Iterator[None]:
     finally:
         for fn in reversed(undo):
             fn()
+
+
+def traced(error: BaseException | None) -> TapError | None:
+    """The error to raise instead of ``error`` where it is Dynamo failing to trace the tap's own
+    hooks (a compiled wrapper of the tapped model, with ``fullgraph=True``); else None."""
+    dynamo = sys.modules.get("torch._dynamo.exc")
+    if dynamo is None or not isinstance(error, dynamo.TorchDynamoException) or _PACKAGE not in str(error):
+        return None
+    return TapError(
+        "torch.compile traced layertap's hooks, which it cannot put in one graph (fullgraph=True): the model ran "
+        "through a compiled wrapper made outside the tap. Tap the compiled module itself (layertap.tap(compiled, ...)), "
+        "which runs eagerly while tapped, or compile without fullgraph=True"
+    )

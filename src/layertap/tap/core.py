@@ -51,7 +51,7 @@ from .. import nested
 from ..errors import LayerNotFoundError, LayertapError, TapError
 from ..select import Layers, OpName, Selection, not_found, selection
 from . import masks
-from .compiled import eager
+from .compiled import eager, traced
 from .controls import DType, Reduce, capture_failed, make_transform, shares_memory
 from .copies import Copies
 from .edits import Changes, applied, edited, ran, replaced
@@ -172,6 +172,9 @@ class Tap(Mapping):
         if isinstance(exc, _StopForward) and exc.tap is self:
             return True
         self._changes.annotate(exc)
+        refused = traced(exc)
+        if refused is not None:
+            raise refused from None
         return False
 
     def remove(self) -> None:

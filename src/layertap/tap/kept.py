@@ -117,12 +117,14 @@ class _Store:
 def _compiled_hint() -> str:
     """Why a layer may seem not to run where torch.compile has compiled code in this process."""
     dynamo = sys.modules.get("torch._dynamo.utils")
-    if dynamo is None or not dynamo.counters["frames"].get("ok"):
+    # a compiled function counts its frames; a compiled module with fullgraph=True only its graphs
+    if dynamo is None or not (dynamo.counters["frames"].get("ok") or dynamo.counters["stats"].get("unique_graphs")):
         return ""
     return (
-        "; or the model ran inside a function torch.compile'd before the tap started, whose code skips hooks added "
-        "later (edit= too): call torch._dynamo.reset() after starting the tap, or compile the model itself "
-        "(torch.compile(model)), which runs eagerly while tapped"
+        "; or the model ran as code torch.compile made before the tap started (a compiled function, or the "
+        "torch.compile(model) wrapper of a model tapped inside it), which skips hooks added later (edit= too): "
+        "tap the compiled module itself (layertap.tap(compiled, ...)), which runs eagerly while tapped, or call "
+        "torch._dynamo.reset() after starting the tap"
     )
 
 
