@@ -219,6 +219,20 @@ def test_set_epoch_reaches_persistent_workers(stores, start):
     assert loader.state_dict()["epoch"] == 2 and original.epoch == 0
 
 
+def test_a_shallow_copy_has_an_epoch_and_a_buffer_of_its_own(stores):
+    loader = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+    first = [b["index"] for b in epoch(loader)]  # leaves its buffer for the next iteration
+    other = copy.copy(loader)
+    other.set_epoch(1)
+    assert loader.epoch == 0 and other.epoch == 1
+    # iterated side by side, neither fills the other's buffer under its batches
+    together = list(zip(loader, other, strict=True))
+    alone = TokenLoader(stores["zarr"], batch_size=32, **MEDIUM)
+    alone.set_epoch(1)
+    assert all(torch.equal(a["index"], b) for (a, _), b in zip(together, first, strict=True))
+    assert all(torch.equal(o[k], r[k]) for (_, o), r in zip(together, epoch(alone), strict=True) for k in r)
+
+
 def test_a_pickled_loader_opens_its_store_again(stores):
     """What a spawned DataLoader worker gets: the loader without the store's handle (an HDF5 file
     cannot be pickled), which opens the store again from its path."""

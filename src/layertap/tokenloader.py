@@ -205,6 +205,12 @@ class TokenLoader(IterableDataset):
             self._maps = _memory_maps(self._store, self.layers)
         return self._store
 
+    def __copy__(self) -> TokenLoader:
+        # a copy iterates on its own: an epoch of its own, and a buffer of its own to fill
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__, _epoch=_shared(self._epoch.clone()), _spare=None)
+        return new
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a worker's copy shares the epoch (torch's pickler sends shared memory as it is); a deep copy gets its own
         self.__dict__.update(state, _epoch=_shared(state["_epoch"]))
