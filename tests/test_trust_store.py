@@ -200,6 +200,25 @@ def test_hdf5_external_links_and_external_storage_are_refused(tmp_path):
     assert raw.read_bytes() == np.ones((10, 5), np.float32).tobytes()
 
 
+@pytest.mark.parametrize("filters", [dict(compression="gzip"), dict(compression="lzf", shuffle=True), dict(fletcher32=True)])
+def test_hdf5_arrays_stored_through_filters_are_refused_before_a_chunk_is_read(tmp_path, filters):
+    """layertap writes HDF5 arrays without filters; a file with them may hide a compression bomb
+    (deflate inflates until its stream ends, whatever the chunk's size) or name a plugin."""
+    import h5py
+
+    out = tmp_path / "s.h5"
+    extract(out, "hdf5").close()
+    with h5py.File(out, "r+") as f:
+        values = f["features/1"][:]
+        del f["features/1"]
+        f.create_dataset("features/1", data=values, chunks=(5, *values.shape[1:]), **filters)
+    with pytest.raises(StoreError, match=r"array 'features/1' is stored through HDF5 filters \[.+\], which layertap never writes") as e:
+        layertap.open_features(out)
+    assert one_line(e.value)
+    with pytest.raises(StoreError, match="stored through HDF5 filters"):
+        extract(out, "hdf5")  # nor is it resumed
+
+
 @pytest.mark.parametrize("ids", ["path", "index"])
 def test_hdf5_ids_of_object_references_are_refused_in_one_line(tmp_path, ids):
     import h5py

@@ -237,7 +237,7 @@ def test_a_hundred_million_marker_slots_are_not_read_when_their_files_are_not_th
         layertap.open_features(out)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KB
     # and with every id there, the markers' 1e8 slots read as the 10 marker files
-    from layertap.store.backends import _ZarrBackend
+    from layertap.store.zarr_backend import _ZarrBackend
 
     backend = _ZarrBackend(out, "r")
     assert sorted(backend.markers()) == list(range(10))

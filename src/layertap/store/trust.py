@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import StoreError
 from ..records import SkippedSample
 from ..units import human_bytes
-from .backends import BACKENDS, _Backend, detect_format
+from .backend import _Backend
+from .backends import BACKENDS, detect_format
 from .format import _ARRAY_PATH, _STORAGE_CHUNK_BYTES, _STORE_VERSION, Marker, _marker_width, _specs, array_key
 from .paths import Location, _bad, _one_line
 

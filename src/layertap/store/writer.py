@@ -25,7 +25,8 @@ from ..atomic import reason
 from ..errors import StoreError
 from ..records import SkippedSample
 from ..units import human_bytes
-from .backends import BACKENDS, _Backend
+from .backend import _Backend
+from .backends import BACKENDS
 from .format import _STORE_VERSION, Marker, StorePlan, _specs, _storable_id, _storage_rows, fill_value
 from .lock import StoreLock
 from .paths import Location, _bad, _one_line, is_url, location
