@@ -186,12 +186,12 @@ def test_the_loader_refuses_a_store_a_run_left_unfinished(llama, tmp_path):
     model, _ = llama
     calls = []
 
-    def fail_third(module, args, output):
+    def fail_sixth(module, args, output):  # the first batch runs 3 times (its proofs), then 2 more batches
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 6:
             raise RuntimeError("the machine went away")
 
-    handle = model.layers[0].register_forward_hook(fail_third)
+    handle = model.layers[0].register_forward_hook(fail_sixth)
     try:
         with pytest.raises(layertap.LayertapError):
             run(llama, tm.corpus(24), tmp_path / "s.zarr", chunk_size=16)

@@ -49,6 +49,7 @@ from .. import nested
 from ..data import Batch, DataSource
 from ..errors import ArgumentError, StoreError
 from ..runtime import run_model, running
+from ..select import wrapped_child
 from ..tap import Tap, tap
 from .forward import Leaves
 from .units import Units
@@ -161,9 +162,13 @@ class TokenSource(DataSource):
 
 
 def takes_mask(model: nn.Module) -> bool:
-    """Whether ``model.forward`` takes an ``attention_mask`` (by name, or as ``**kwargs``)."""
-    params = inspect.signature(model.forward).parameters
-    return "attention_mask" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    """Whether ``model.forward`` takes an ``attention_mask`` by name (a wrapper's: its model's).
+    ``**kwargs`` alone says nothing: FNet takes them and drops the mask, and a padded batch then
+    changes every real token (by up to 2.8)."""
+    if "attention_mask" in inspect.signature(model.forward).parameters:
+        return True
+    child = wrapped_child(model)
+    return child is not None and takes_mask(getattr(model, child))
 
 
 def token_dim(short: torch.Size | None, longer: torch.Size | None, units: int, length: int) -> int | None:
@@ -218,7 +223,7 @@ class TokenForward:
         batch's first two units run again one token shorter (the last column cut: only shapes are
         compared, and no position past the model's last is asked for), or one padding token longer
         for a batch one token long. Two, not the batch: only the shapes after the batch dimension
-        are compared (and two keep it where a model squeezes a batch of one)."""
+        are compared (and two keep it where a model squeezes a batch of one). Then `_unpadded`."""
         ids = model_inputs["input_ids"]
         units, length = ids.shape
         first = {k: v[:2] for k, v in model_inputs.items()}
@@ -244,6 +249,24 @@ class TokenForward:
                     "(a block, an MLP, an attention op)"
                 )
             self.token_dims[name] = dim
+        self._unpadded(model_inputs, outputs)
+
+    def _unpadded(self, model_inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor | None]) -> None:
+        """Refuse a model whose real tokens' rows change with the padding after them: the batch's
+        most padded unit runs again without its padding (twice: a batch of two, as above). A model
+        that honours its mask gives the same rows to float rounding; FNet (no mask), ConvBERT's span
+        convolution, YOSO and CANINE let padding in, by 0.01 to 4."""
+        mask = model_inputs.get("attention_mask")
+        if mask is None or int(mask.sum(1).min()) in (0, mask.shape[1]):
+            return
+        real = mask.sum(1)
+        unit = int(real.argmin())
+        count = int(real[unit])
+        alone = self._run({k: v[[unit, unit], :count] for k, v in model_inputs.items()}, tap(self.model, self.names))
+        for name, t in outputs.items():
+            dim, other = self.token_dims[name], alone[name]
+            if t is not None and other is not None:  # as stored: in the store's dtype
+                _check_unpadded(name, self.model, t.movedim(dim, 1)[unit, :count], other.movedim(dim, 1)[0, :count].to(t.dtype))
 
     def __call__(self, inputs: TokenInputs, n: int) -> Leaves:
         model_inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.model_inputs.items() if self.masks or k == "input_ids"}
@@ -260,3 +283,20 @@ class TokenForward:
         leaves[(DOCS, None)] = inputs.docs
         leaves[(POSITIONS, None)] = inputs.position.to(torch.int32)
         return leaves
+
+
+def _check_unpadded(name: str, model: nn.Module, padded: torch.Tensor, alone: torch.Tensor) -> None:
+    """Refuse the model if a unit's real rows with padding after them (``padded``) are not those it
+    gives without (``alone``), both in the store's dtype, to its rounding (at least 1e-3 of their scale)."""
+    a, b = padded.float(), alone.float()
+    eps = torch.finfo(padded.dtype).eps if padded.is_floating_point() else 0.0
+    finite = b.isfinite()
+    scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
+    tolerance = max(1e-3, 8 * eps) * (scale + 1e-6)
+    close = torch.isclose(a, b, rtol=0, atol=tolerance, equal_nan=True)  # the same infinities are the same
+    if not bool(close.all()):
+        apart = float((a - b).abs()[~close].max())
+        raise ArgumentError(
+            f"layer {name!r} of {type(model).__name__} computes other values for a document's real tokens when padding follows "
+            f"them (up to {apart:.3g} apart), although it is masked out: the model lets padding in. Pass batch_size=1, which pads nothing"
+        )
