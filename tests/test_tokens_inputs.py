@@ -180,6 +180,16 @@ def test_arguments_are_checked_before_anything_is_written(llama, option, tmp_pat
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_a_max_length_shorter_than_the_special_tokens_is_refused_before_anything_is_written(llama, tmp_path):
+    """MiniLM's tokenizer adds [CLS] and [SEP]; asked for one token, it truncates nothing and
+    returns every token (logging an error). The run used to end refusing its own store as damaged."""
+    with pytest.raises(ArgumentError, match=r"^max_length=1 is shorter than the 2 special tokens .* pass max_length=3 or more"):
+        run(llama, TEXTS, tmp_path / "s.zarr", max_length=1)
+    assert not (tmp_path / "s.zarr").exists()
+    store = run(llama, TEXTS, tmp_path / "t.zarr", max_length=3)  # [CLS], one token, [SEP]
+    assert len(store) == 3 * len(TEXTS) and set(np.asarray(store.positions).tolist()) == {0, 1, 2}
+
+
 def test_the_loader_refuses_a_store_a_run_left_unfinished(llama, tmp_path):
     """A run that stopped after some chunks: its unwritten rows hold fill values (NaN, document
     -1), so training on them is refused, not served."""

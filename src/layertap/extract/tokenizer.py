@@ -203,6 +203,13 @@ def _token_ids(corpus: Corpus, tokenizer: Any, good: list[int], max_length: int,
             return_token_type_ids=False,
         )
         ids += [np.asarray(i, dtype=np.int64) for i in out["input_ids"]]
+        longest = max(map(len, out["input_ids"]), default=0)
+        if limit is not None and longest > limit:  # truncation cannot cut the special tokens it adds: it keeps them all
+            added = tokenizer.num_special_tokens_to_add() if hasattr(tokenizer, "num_special_tokens_to_add") else longest - 1
+            raise ArgumentError(
+                f"max_length={limit} is shorter than the {added} special tokens the tokenizer adds to every document, so it "
+                f"returned {longest} tokens for one: pass max_length={added + 1} or more (or pack=True)"
+            )
     # special by id, as for token ids given: the tokenizer's own special_tokens_mask marks only the
     # tokens it added, not a [SEP] or [UNK] inside the text
     return ids, [_special_mask(tokenizer, i) for i in ids]
