@@ -876,6 +876,20 @@ def test_dtype_accepts_a_torch_dtype_or_its_name(dtype):
 def test_an_unknown_dtype_name_is_refused_in_one_line():
     with pytest.raises(layertap.ArgumentError, match=r"unknown dtype='half16': use a torch dtype or its name, e.g. torch.float16 or 'float16'"):
         layertap.tap(nn.Linear(2, 2), "", dtype="half16")
+    for dtype in (torch.int32, "bool", torch.complex64):  # a cast to these truncated every value
+        with pytest.raises(layertap.ArgumentError, match=r"^dtype=torch\.\w+ is not a floating-point dtype"):
+            layertap.tap(nn.Linear(2, 2), "", dtype=dtype)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules:UserWarning", "ignore:ComplexHalf support:UserWarning")
+@pytest.mark.parametrize(("dtype", "kept"), [(torch.float16, torch.complex32), (torch.float64, torch.complex128), (torch.bfloat16, torch.complex64)])
+def test_dtype_keeps_a_complex_values_imaginary_part(dtype, kept):
+    model = nn.Sequential(nn.Linear(3, 3).to(torch.complex64), nn.Linear(3, 2))
+    x = torch.randn(2, 3, dtype=torch.complex64)
+    with torch.no_grad(), layertap.tap(model, "0", dtype=dtype) as t:
+        model[0](x)
+    assert t["0"].dtype == kept
+    torch.testing.assert_close(t["0"].to(torch.complex64), model[0](x), atol=1e-2, rtol=1e-2)  # float16: 3 digits
 
 
 def test_every_documented_option_of_tap_is_its_own_parameter_with_its_default():

@@ -1,8 +1,9 @@
 """Memory controls applied to each captured tensor inside the hook, before it is stored.
 
 ``detach`` drops the autograd graph, ``reduce`` pools (on the layer's own device, so less is
-moved), ``dtype`` casts floating-point tensors, ``to`` moves. Integer and boolean leaves are
-only detached and moved. A ``[B, T, C]`` token tensor of a model called with a ``[B, T]``
+moved), ``dtype`` (a floating-point dtype) casts floating-point tensors, and complex ones to the
+complex dtype of its precision (never dropping the imaginary part), ``to`` moves. Integer and
+boolean leaves are only detached and moved. A ``[B, T, C]`` token tensor of a model called with a ``[B, T]``
 ``attention_mask`` is pooled over its real tokens only (`layertap.tap.masks`), so that a
 document's feature does not depend on its batch-mates' padding.
 """
@@ -114,6 +115,9 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
 def make_transform(
     *,
     detach: bool = True,
@@ -131,6 +135,9 @@ def make_transform(
     """
     pool = reducer(reduce)
     dtype = as_dtype(dtype)  # a string would reach Tensor.to as a device name
+    if dtype is not None and not dtype.is_floating_point:
+        raise ArgumentError(f"dtype={dtype} is not a floating-point dtype: pass one (torch.float16, torch.bfloat16, torch.float32) or None")
+    as_complex = _COMPLEX.get(dtype)  # complex values keep their imaginary part, at this precision
     device = torch.device(to) if to is not None else None
 
     def transform(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +152,7 @@ def make_transform(
             if shares_memory(t, src):
                 t = t.clone()
         if dtype is not None and floating:
-            t = t.to(dtype)
+            t = t.to(dtype if not t.is_complex() else as_complex or t.dtype)
         if device is not None:
             t = t.to(device)
         return t

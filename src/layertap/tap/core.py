@@ -544,7 +544,8 @@ def tap(
         detach: drop the autograd graph of each captured tensor (applied first, inside the hook).
         to: a device to move each captured tensor to, after ``reduce`` and ``dtype``.
         dtype: a floating-point dtype (or its name, ``"float16"``) to cast captured
-            floating-point tensors to, after ``reduce``.
+            floating-point tensors to, after ``reduce`` (complex ones: to the complex dtype of
+            that precision).
         reduce: ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` (token 0), ``"last"`` (the last
             token) or a callable, applied on the layer's own device before the tensor is stored.
             When the model is called with a ``[B, T]`` ``attention_mask``, a ``[B, T, C]`` tensor
