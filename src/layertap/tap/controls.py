@@ -137,7 +137,7 @@ def make_transform(
     dtype = as_dtype(dtype)  # a string would reach Tensor.to as a device name
     if dtype is not None and not dtype.is_floating_point:
         raise ArgumentError(f"dtype={dtype} is not a floating-point dtype: pass one (torch.float16, torch.bfloat16, torch.float32) or None")
-    as_complex = _COMPLEX.get(dtype)  # complex values keep their imaginary part, at this precision
+    as_complex = None if dtype is None else _COMPLEX.get(dtype)  # complex values keep their imaginary part, at this precision
     device = torch.device(to) if to is not None else None
 
     def transform(t: torch.Tensor) -> torch.Tensor:
