@@ -89,6 +89,28 @@ def test_each_call_once_with_its_values_and_gradients_under_a_checkpoint(layer):
     assert t.order == [layer]
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("layer", ["block.a", "block.b", "block"])
+def test_gradients_under_a_checkpoint_whose_input_needs_none(layer, frozen):
+    """The usual case: a batch that needs no gradient, and (frozen, as for a heatmap) weights that
+    need none either. The tap makes what it hooks need one: the recomputation must too, or its ops
+    save other tensors than the first pass's and the checkpoint fails ("a different number of
+    tensors was saved"). The gradients are those of the plain network, where everything needs one."""
+    plain, checkpointed = nets(reentrant=False)
+    expected = hooked(plain, layer)
+    checkpointed.requires_grad_(not frozen)
+    with layertap.tap(checkpointed, layer, capture=("grad", "grad_input"), keep="all") as t:
+        for x in batches():
+            checkpointed(x.detach()).pow(2).sum().backward()
+    for kind, mapping in (("grad", t.grads), ("grad_input", t.grad_inputs)):
+        assert len(mapping[layer]) == 2, kind
+        for g, e in zip(mapping[layer], expected[kind], strict=True):
+            torch.testing.assert_close(g, e)
+    with layertap.tap(checkpointed, "block:relu", capture=("grad", "grad_input")) as t:  # an op's, likewise
+        checkpointed(batches()[0].detach()).pow(2).sum().backward()
+    assert t.grads["block:relu"].shape == t.grad_inputs["block:relu"].shape == (4, 8)
+
+
 def test_an_op_inside_a_checkpointed_module_is_called_once_per_forward():
     # the reference: the relu's value and its gradient by plain autograd on the network without checkpointing
     plain, checkpointed = nets(reentrant=False)

@@ -93,6 +93,69 @@ def test_keep_all_accumulates_across_forwards_until_clear():
         assert len(t["block"]) == 2
 
 
+class Recursive(nn.Module):
+    """A module that calls itself: its calls start outer first and end inner first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, depth=2):
+        h = self.lin(x)
+        return self(h * 10, depth=depth - 1) * (depth + 2) + 1 if depth > 0 else h
+
+
+def _per_call(model: nn.Module, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Call ``k`` (counted as calls start) by plain hooks: its input and output cloned, and the
+    gradients at them, from a leaf put in place of one (a run each: a leaf cuts the graph there)."""
+    got = {}
+    for edge in ("in", "out"):
+        started, stack = [0], []
+
+        def pre(module, args, kwargs, edge=edge, stack=stack, started=started):
+            stack.append(started[0])
+            started[0] += 1
+            if stack[-1] == k and edge == "in":
+                got["in"] = args[0].detach().clone().requires_grad_()
+                return (got["in"].clone(),), kwargs
+            return None
+
+        def post(module, args, kwargs, out, edge=edge, stack=stack):
+            if stack.pop() == k and edge == "out":
+                got["out"] = out.detach().clone().requires_grad_()
+                return got["out"].clone()
+            return None
+
+        handles = [model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True)]
+        model(x).sum().backward()
+        for h in handles:
+            h.remove()
+    return got["in"].detach(), got["out"].detach(), got["out"].grad, got["in"].grad
+
+
+def test_a_module_calling_itself_gives_each_call_its_own_input_output_and_gradients():
+    """Entry k of every kind is call k, counted as calls start (as `order` counts): the outer call
+    is 0 although it ends last. Inputs and grad_inputs were numbered as calls started, outputs and
+    grads as they ended: the innermost call's output sat beside the outermost call's input."""
+    model, x = Recursive(), torch.randn(2, 4)
+    with layertap.tap(model, "", capture=("input", "output", "grad", "grad_input"), keep="all") as t:
+        model(x).sum().backward()
+    for k in range(3):
+        given, out, grad, grad_in = _per_call(model, x, k)
+        inputs = t.inputs[""][k]
+        assert torch.equal(inputs if isinstance(inputs, torch.Tensor) else inputs.args[0], given), k
+        assert torch.equal(t.outputs[""][k], out), k
+        torch.testing.assert_close(t.grads[""][k], grad)
+        grads_in = t.grad_inputs[""][k]
+        torch.testing.assert_close(grads_in if isinstance(grads_in, torch.Tensor) else grads_in.args[0], grad_in)
+    assert len({float(t.grads[""][k].abs().sum()) for k in range(3)}) == 3  # three calls, three gradients
+    for keep, k in (("first", 0), ("last", 2)):
+        with layertap.tap(model, "", capture=("input", "output"), keep=keep) as t:
+            model(x)
+        given, out, _, _ = _per_call(model, x, k)
+        assert torch.equal(t.outputs[""], out) and torch.equal(t.inputs[""].args[0] if k else t.inputs[""], given), keep
+
+
 # ---------------------------------------------------------------- memory controls
 def test_detach_and_graph():
     model = MLP()

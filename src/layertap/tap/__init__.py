@@ -4,6 +4,7 @@ Where each part lives (each file's docstring says how its mechanism works):
 
 - ``core.py``: `Tap` (checks the options, resolves the layers once, owns the hooks' lifetime and
   runs the hook bodies) and `tap`, which makes it;
+- ``results.py``: `Results`, the read side `Tap` inherits: the mappings of each kind, `order`;
 - ``options.py``: what `tap` is given (kinds, keep policies) and the checks of the options together;
 - ``edits.py``: ``edit=`` and ``replace=`` resolved and run, and an edit's result unlike its layer's
   value named in a note on the error that follows;

@@ -40,7 +40,7 @@ each call and hand its value to the helpers.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -49,18 +49,19 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import nested
 from ..errors import LayerNotFoundError, LayertapError, TapError
-from ..select import Layers, OpName, Selection, not_found, selection
+from ..select import Layers, OpName, Selection, selection
 from . import masks
 from .compiled import eager, traced
 from .controls import DType, Reduce, capture_failed, make_transform, shares_memory
 from .copies import Copies
 from .edits import Changes, applied, edited, ran, replaced
-from .grads import Call, Gradients, Grads
-from .inplace import InPlace, Site
-from .kept import Kept, View, _Store
+from .grads import Call, Gradients, Grads, required
+from .inplace import InPlace
+from .kept import Kept, _Store
 from .ops import OpTaps, hidden, op_name, returns_tensor, weak
 from .options import KINDS, Edit, Inputs, Kind, Observe, Options, Replace, _arguments, _given, checked, copied
 from .recompute import recomputing
+from .results import Results
 from .sharded import Sharded, arrived, whole
 
 
@@ -72,7 +73,7 @@ class _StopForward(Exception):
         self.tap = tap
 
 
-class Tap(Mapping):
+class Tap(Results):
     """Hooks on the chosen layers of a model; made by `layertap.tap`, which documents the options.
 
     The tap is a read-only mapping from layer name to its output; ``outputs``, ``inputs``,
@@ -127,32 +128,13 @@ class Tap(Mapping):
         self._order: dict[str, None] = {}  # names in the order their first call started
         self._fired: set[str] = set()
         self._want_input, self._want_grad_input = "input" in kinds, "grad_input" in kinds
-        self._want_grads = self._want_grad_input or "grad" in kinds
-        self._only_inputs = not ({"output", "grad"} & set(kinds))
+        self._want_grads, self._only_inputs = self._want_grad_input or "grad" in kinds, not ({"output", "grad"} & set(kinds))
+        self._open: dict[str, list[int]] = {}  # per module, the numbers of its calls started and not ended (recursion)
 
     def _add_aliases(self, name: str) -> None:
         op = self._sites.get(name)
         for alias in self._selection.aliases(name if op is None else op.module):
             self._aliases.setdefault(alias if op is None else op.on(alias), name)
-
-    def _where(self, name: str) -> tuple[nn.Module, Site]:
-        """The module a tapped name belongs to, and its op there (None: the module itself)."""
-        op = self._sites.get(name)
-        return (self._modules[name], None) if op is None else (self._modules[op.module], (op.op, op.call))
-
-    @property
-    def order(self) -> list[str]:
-        """The tapped names (layers and ops) in the order their first call started, since the tap
-        began or ``clear()``: parents before their children, as the forward ran them.
-
-        >>> import torch, torchvision, layertap
-        >>> model = torchvision.models.resnet18()
-        >>> with layertap.tap(model, ["layer2", "conv1", "layer1.0:add_"]) as t:
-        ...     _ = model(torch.randn(1, 3, 64, 64))
-        >>> t.order
-        ['conv1', 'layer1.0:add_', 'layer2']
-        """
-        return list(self._order)
 
     # ------------------------------------------------------------------ hook lifetime
     def __enter__(self) -> Tap:
@@ -183,6 +165,7 @@ class Tap(Mapping):
             handle.remove()
         self._handles.clear()
         self._grads.open.clear()
+        self._open.clear()  # calls a failed forward started and never ended
         self._inplace.stop()
         if self._restore is not None:
             self._restore.close()
@@ -192,6 +175,7 @@ class Tap(Mapping):
         """Forget every captured value and restart call counting (for ``keep='all'``)."""
         self._copies.drop(self._kept.dropped())  # first leaf first: each new copy can take its predecessor's memory
         self._calls.clear()
+        self._open.clear()
         self._order.clear()
         self._fired.clear()
         self._inplace.restart()
@@ -237,13 +221,17 @@ class Tap(Mapping):
     # ------------------------------------------------------------------ the hooks
     def _pre_hook(self, name: str) -> Callable:
         want_inputs = self._want_input or self._want_grad_input
-        grads, sharded = self._want_grads, self._sharded
+        grads, sharded, numbers = self._want_grads, self._sharded, not self._only_inputs and not self._kept.parallel
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if recomputing():  # a checkpoint's recomputation: nothing taken, nothing counted (recompute.py)
-                return None
+                return required((args, kwargs)) if self._want_grad_input else None  # but what the first pass grew
             if name not in self._order:
                 self._order[name] = None
+            # a call is numbered as it starts, for all kinds: one that calls its own module ends after the inner call
+            index = self._next_call(name) if numbers else None
+            if index is not None:
+                self._open.setdefault(name, []).append(index)
             if not (want_inputs or grads):
                 return None
             single = len(args) == 1 and not kwargs
@@ -253,7 +241,7 @@ class Tap(Mapping):
                 value, unwrap = sharded.wrap_parts(module, value)
             call = Call()
             if want_inputs:
-                value = self._take_input(name, module, value, self._replica(module, name, value), call)
+                value = self._take_input(name, module, value, self._replica(module, name, value), call, index)
             if grads:  # what the layer is given, for its forward hook
                 call.saw(value)
                 self._grads.opened(name, module, call)
@@ -269,6 +257,7 @@ class Tap(Mapping):
         edit = self._edits.get(name)
         counts = tapped and not self._only_inputs
         grads, sharded = tapped and self._want_grads, self._sharded
+        grown = counts and "grad" in self._kept.stores  # its outputs need a gradient, in a recomputation too
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             again = recomputing()  # a checkpoint's recomputation: only the edit runs again (recompute.py)
@@ -281,6 +270,8 @@ class Tap(Mapping):
             new = edit(name, output) if edit is not None else None
             if new is not None:
                 output = new
+            if again and grown:
+                output = new = required(output)
             if counts and not again:
                 taken = self._take_output(name, module, output, self._replica(module, name, output), call)
                 if taken is not output:
@@ -291,12 +282,15 @@ class Tap(Mapping):
 
         return hook
 
-    def _take_input(self, name: str, module: nn.Module, value: Any, part: int | None, call: Call, watch: bool = True) -> Any:
-        """Capture one call's input; returns it, with gradient hooks if ``grad_input`` is captured
-        (and ``watch``): the aliases it makes go to ``call``, to rebase after the call."""
+    def _take_input(
+        self, name: str, module: nn.Module, value: Any, part: int | None, call: Call, index: int | None = None, watch: bool = True
+    ) -> Any:
+        """Capture one call's input (numbered ``index``, if its pre-hook numbered it); returns it, with gradient
+        hooks if ``grad_input`` is captured (and ``watch``): the aliases it makes go to ``call``, to rebase after the call."""
         try:
             key = name if part is None else (name, part)
-            index = self._next_call(key) if self._only_inputs else self._calls.get(key, 0)
+            if index is None:
+                index = self._next_call(key) if self._only_inputs else self._calls.get(key, 0)
             if self._want_grad_input and watch:
                 value, _ = self._watch("grad_input", name, index, value, part, call)
             if self._want_input:
@@ -313,7 +307,8 @@ class Tap(Mapping):
         """Capture one call's output; returns it, with gradient hooks if ``grad`` is captured
         (``call``: what the call was given)."""
         try:
-            index = self._next_call(name if part is None else (name, part))
+            started = self._open.get(name) if part is None else None  # numbered as it started (a module's call)
+            index = started.pop() if started else self._next_call(name if part is None else (name, part))
             if "grad" in self._kept.stores:
                 output, _ = self._watch("grad", name, index, output, part, call or Call())
             if "output" in self._kept.stores:
@@ -329,7 +324,7 @@ class Tap(Mapping):
         """One call of a tapped op, or of any op of a module tapped whole (``star``), inside its
         module's forward (see `layertap.tap.ops`): captured as a module's call would be."""
         if recomputing():  # a checkpoint's recomputation: the op runs (or is replaced) and is edited again, nothing taken
-            return applied(self._edits, hits, out) if returns_tensor(out := ran(self._runs, hits, func, args, kwargs)) else out
+            return self._again(hits, star is not None, func, args, kwargs)
         tapped = [name for name in hits if name in self._tapped]
         module = self._modules[owner]
         # an op on one tensor gives that tensor as its input, whatever options it got (F.relu's inplace=)
@@ -359,6 +354,18 @@ class Tap(Mapping):
                 self._started(name)
                 out = self._take_output(name, module, out, None, call)
         return out
+
+    def _again(self, hits: list[str], star: bool, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op's call in a checkpoint's recomputation: run (or replaced) and edited again, with
+        what needs a gradient in the first pass (`required`) needing one again."""
+        tapped = star or any(name in self._tapped for name in hits)
+        if tapped and self._want_grad_input:
+            args, kwargs = required((args, kwargs))
+        out = ran(self._runs, hits, func, args, kwargs)
+        if not returns_tensor(out):
+            return out
+        out = applied(self._edits, hits, out)
+        return required(out) if tapped and "grad" in self._kept.stores and not self._only_inputs else out
 
     def _op_inputs(self, tapped: list[str], module: nn.Module, single: bool, args: tuple, kwargs: dict, call: Call) -> tuple[tuple, dict]:
         """Capture the inputs of an op's call; returns its arguments, with gradient hooks for ``grad_input``."""
@@ -447,64 +454,6 @@ class Tap(Mapping):
             return inplace.copied(out, copies.copy(out)) if inplace.must_copy(t, out, kind, name, index, part, guards) else out
 
         self._kept.put(store, name, index, nested.map_leaves(keep, value), guards, part)
-
-    # ------------------------------------------------------------------ results
-    def _read(self, kind: str, name: str) -> Any:
-        if kind not in self._kept.stores:
-            raise TapError(f"capture={kind!r} was not requested: add it, e.g. capture=('output', {kind!r})")
-        layer = self._name(name)
-        if self._observe is not None:
-            raise TapError(f"this tap hands every value to observe= and keeps none: read {layer!r} there")
-        return self._kept.read(kind, layer, self._inplace.learn, lambda: self._ops.check(self._sites.get(layer)))
-
-    def _name(self, name: str) -> str:
-        layer = self._aliases.get(name)
-        if layer is None:
-            raise not_found(name, {n: self._where(n)[0] for n in self.names}, what="tap")
-        return layer
-
-    def __getitem__(self, name: str) -> Any:
-        return self._read("output", name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.outputs)
-
-    def __len__(self) -> int:
-        return len(self.outputs)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.outputs
-
-    @property
-    def outputs(self) -> Mapping[str, Any]:
-        """Layer name -> output (a list of one per call with ``keep='all'``)."""
-        return View(self, "output")
-
-    @property
-    def inputs(self) -> Mapping[str, Any]:
-        """Layer name -> input: the tensor for a one-argument call, else ``Inputs(args, kwargs)``."""
-        return View(self, "input")
-
-    @property
-    def grads(self) -> Mapping[str, Any]:
-        """Layer name -> the gradient that flows back through the layer's output edge (same structure)."""
-        return View(self, "grad")
-
-    @property
-    def grad_inputs(self) -> Mapping[str, Any]:
-        """Layer name -> the gradient that flows into the layer's input through the layer alone (same structure)."""
-        return View(self, "grad_input")
-
-    def __repr__(self) -> str:
-        state = "active" if self._restore is not None else "inactive"
-        return f"<layertap.Tap {state}: {len(self.names)} layers, capture={self.capture}, keep={self.keep!r}>"
-
-    def _repr_html_(self) -> str:
-        """The tap in a notebook: per layer and kind, the shape, dtype and bytes of what it holds."""
-        ran = self.order
-        state = "active (inside its with block)" if self._restore is not None else "inactive"
-        facts = [("state", state), ("layers", f"{len(self.names)}, {len(ran)} ran")]
-        return self._kept.table(self.names, ran, self.capture, facts, self._observe is not None)
 
 
 def tap(

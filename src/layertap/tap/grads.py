@@ -106,6 +106,18 @@ class Call:
         self.swaps.clear()
 
 
+def _grown(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_() if (t.is_floating_point() or t.is_complex()) and not t.requires_grad else t
+
+
+def required(value: Any) -> Any:
+    """``value`` with each floating-point tensor that needs no gradient made a leaf that does, as
+    `_hookable` makes it for a gradient hook: a checkpoint's recomputation of a gradient-tapped
+    layer must see that too, or its ops save other tensors than the first pass's (the checkpoint
+    then fails: "a different number of tensors was saved")."""
+    return nested.map_leaves(_grown, value)
+
+
 def _hookable(t: torch.Tensor, kind: str, call: Call) -> torch.Tensor:
     """The tensor to hook for the gradient on one edge of a layer, used downstream of the hook in
     place of ``t`` (see the module docstring: the gradient of that edge alone, in-place safe)."""
@@ -233,8 +245,8 @@ class Grads:
                 "gradient_checkpointing_kwargs={'use_reentrant': False})"
             )
         observe = self._observe
-        if observe is None and not wanted:
-            return value, None
+        if observe is None and not wanted:  # no hooks, but what needs a gradient as for a call kept (`required`)
+            return required(value), None
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
         grads = Gradients(skeleton, next(counter))

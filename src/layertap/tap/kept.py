@@ -82,7 +82,7 @@ class _Store:
 
     def wants(self, name: str, index: int) -> bool:
         kept = self.entries.get(name)
-        return self.keep != "first" or not kept or kept[0][0] == index
+        return self.keep != "first" or not kept or index <= kept[0][0]  # a call that started earlier ends later inside it
 
     def has(self, name: str) -> bool:
         return any(_received(value) for _, value, _ in self.entries.get(name, ()))
