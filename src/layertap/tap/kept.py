@@ -218,7 +218,7 @@ class Kept:
                 if self.keep != "all":
                     raise TapError(
                         f"the {kind} of layer {layer!r} was changed in place after it was captured "
-                        "(a later in-place op in the forward) and is lost for that forward; layertap "
+                        "(by an in-place op later in the forward, or after it) and is lost for that forward; layertap "
                         "copies it from now on: run the forward again"
                     )
                 lost.append(len(values))  # this entry alone: the others are intact
@@ -228,7 +228,7 @@ class Kept:
         if lost:
             warnings.warn(
                 f"layertap: entries {lost} of the {len(values)} {kind}s of layer {layer!r} were changed in place "
-                "after capture (a later in-place op in the forward) and are lost (None); the others are intact, "
+                "after capture (by an in-place op later in the forward, or after it) and are lost (None); the others are intact, "
                 f"and layertap copies those calls from now on. To lose none, tap with copy=True or copy=[{layer!r}]",
                 stacklevel=4,
             )
