@@ -156,6 +156,27 @@ def test_a_module_calling_itself_gives_each_call_its_own_input_output_and_gradie
         assert torch.equal(t.outputs[""], out) and torch.equal(t.inputs[""].args[0] if k else t.inputs[""], given), keep
 
 
+class Sparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sparse, self.head = nn.Identity(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.sparse(x.to_sparse()).to_dense())
+
+
+def test_a_sparse_output_and_its_gradient_are_tapped():
+    """A sparse tensor has no storage to compare: it is taken as a copy. The gradient's reference is
+    plain autograd at a leaf put in the output's place."""
+    model, x = Sparse(), torch.randn(3, 4) * (torch.arange(12).reshape(3, 4) % 3 == 0)
+    with layertap.tap(model, "sparse", capture=("output", "grad")) as t:
+        model(x).sum().backward()
+    leaf = x.to_sparse().requires_grad_()
+    model.head(leaf.to_dense()).sum().backward()
+    assert t["sparse"].layout == torch.sparse_coo and torch.equal(t["sparse"].to_dense(), x)
+    torch.testing.assert_close(t.grads["sparse"].to_dense(), leaf.grad.to_dense())
+
+
 # ---------------------------------------------------------------- memory controls
 def test_detach_and_graph():
     model = MLP()

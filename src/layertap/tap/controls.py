@@ -112,6 +112,8 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` live in the same storage (so an in-place op on one changes the other)."""
     if a.device != b.device or type(a).__name__ == "DTensor" or type(b).__name__ == "DTensor":
         return False  # a DTensor is only ever kept as a copy (layertap.tap.sharded)
+    if a.layout != torch.strided or b.layout != torch.strided:  # sparse: no storage to compare; may share (its values)
+        return True
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
