@@ -262,7 +262,7 @@ class TokenForward:
         real = mask.sum(1)
         unit = int(real.argmin())
         count = int(real[unit])
-        alone = self._run({k: v[[unit, unit], :count] for k, v in model_inputs.items()}, tap(self.model, self.names))
+        alone = self._run({k: v[[unit, unit], :count] for k, v in model_inputs.items()}, tap(self.model, self.names, stop_early=True))
         for name, t in outputs.items():
             dim, other = self.token_dims[name], alone[name]
             if t is not None and other is not None:  # as stored: in the store's dtype
