@@ -156,6 +156,23 @@ def test_a_module_calling_itself_gives_each_call_its_own_input_output_and_gradie
         assert torch.equal(t.outputs[""], out) and torch.equal(t.inputs[""].args[0] if k else t.inputs[""], given), keep
 
 
+class Argmax(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1)
+
+
+@pytest.mark.parametrize("keep", ["last", "all"])
+def test_a_layer_with_no_float_output_says_no_gradient_can_reach_it(keep):
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.add_module("ids", Argmax())  # called aside: its integer output feeds nothing
+    model.forward = lambda x: (model.ids(x), model[0](x))[1]
+    with layertap.tap(model, ["0", "ids"], capture="grad", keep=keep) as t:
+        model(torch.randn(3, 4)).sum().backward()
+    assert t.grads["0"] is not None
+    with pytest.raises(layertap.TapError, match=r"^layer 'ids' has no grad: its output holds no floating-point tensor \(int64\)"):
+        t.grads["ids"]
+
+
 class Sparse(nn.Module):
     def __init__(self):
         super().__init__()

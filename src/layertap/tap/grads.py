@@ -189,6 +189,17 @@ class Grads:
         # (`forward_ended`; per thread: nn.DataParallel's replicas each run a forward)
         self._passing = _Passing()
         self._warned: set[str] = set()
+        self._floatless: dict[tuple[str, str], list[str]] = {}  # (kind, name) -> the dtypes of a last call with no float to hook
+
+    def check_floats(self, kind: str, name: str) -> None:
+        """Raise for a layer none of whose calls had a floating-point tensor on that edge: no gradient can reach it."""
+        dtypes = self._floatless.get((kind, name))
+        if dtypes is not None:
+            edge = "output" if kind == "grad" else "input"
+            raise TapError(
+                f"layer {name!r} has no {kind}: its {edge} holds no floating-point tensor ({', '.join(dtypes) or 'none'}), "
+                f"so no gradient flows through it; tap a layer whose {edge} is floating-point"
+            )
 
     def forward_started(self) -> None:
         self.open.clear()  # calls a raising forward left open
@@ -244,6 +255,11 @@ class Grads:
                 "with autograd, and checkpoint with use_reentrant=False (Hugging Face's default; older versions took "
                 "gradient_checkpointing_kwargs={'use_reentrant': False})"
             )
+        tensors = nested.tensors(value)
+        if any(t.is_floating_point() or t.is_complex() for t in tensors):
+            self._floatless.pop((kind, name), None)
+        else:
+            self._floatless[(kind, name)] = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
         observe = self._observe
         if observe is None and not wanted:  # no hooks, but what needs a gradient as for a call kept (`required`)
             return required(value), None

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import TapError
 from ..select import OpName, not_found
+from .grads import Grads
 from .inplace import InPlace, Site
 from .kept import Kept, View
 from .ops import OpTaps
@@ -27,6 +28,7 @@ class Results(Mapping):
     keep: str
     _kept: Kept
     _inplace: InPlace
+    _grads: Grads
     _ops: OpTaps
     _sites: dict[str, OpName]
     _modules: dict[str, nn.Module]
@@ -61,7 +63,13 @@ class Results(Mapping):
         layer = self._name(name)
         if self._observe is not None:
             raise TapError(f"this tap hands every value to observe= and keeps none: read {layer!r} there")
-        return self._kept.read(kind, layer, self._inplace.learn, lambda: self._ops.check(self._sites.get(layer)))
+        return self._kept.read(kind, layer, self._inplace.learn, lambda: self._missing(kind, layer))
+
+    def _missing(self, kind: str, layer: str) -> None:
+        """Raise for what a layer cannot have (an op its module never called, a gradient with no float to flow through)."""
+        self._ops.check(self._sites.get(layer))
+        if kind.startswith("grad"):
+            self._grads.check_floats(kind, layer)
 
     def _name(self, name: str) -> str:
         layer = self._aliases.get(name)
