@@ -508,6 +508,17 @@ def test_an_edit_of_another_shape_or_dtype_is_named_under_the_next_layers_error(
     assert hook_state(model) == hooks
 
 
+def test_an_error_raised_by_an_edit_is_the_edits_not_the_layers_in_tap_and_extract():
+    model, x = MLP(), torch.randn(2, 784)
+    with pytest.raises(ZeroDivisionError) as caught, layertap.tap(model, "fc1", edit=lambda n, o: 1 / 0):
+        model(x)
+    assert caught.value.__notes__ == ["layertap: raised by the edit= function of 'fc1', not by the layer"]
+    with pytest.raises(layertap.LayerForwardError, match=r"^layer 'fc1' \(Linear\) raised ZeroDivisionError.*\(layertap: raised by the edit= function of 'fc1', not by the layer\)$"):
+        layertap.extract(model, x, "fc2", edit={"fc1": lambda n, o: 1 / 0})
+    with pytest.raises(layertap.LayerForwardError, match=r"^layer 'fc2' \(Linear\).*\(layertap: the edit= of 'fc1' returned a \[2, 100\] float32"):
+        layertap.extract(model, x, "fc2", edit={"fc1": lambda n, o: o[:, :100]})
+
+
 def test_an_edit_that_keeps_the_kind_or_an_error_before_any_edit_gets_no_note():
     model = MLP()
     # an op's edit, same shape and dtype: whatever error follows is not the edit's

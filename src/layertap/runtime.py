@@ -98,8 +98,9 @@ def explain_failures(model: nn.Module) -> Iterator[None]:
         name, module, args, kwargs = found
         where = f"layer {name!r}" if name else "the model's own forward"
         cls = type(module).__name__
+        notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()) if note.startswith("layertap: "))
         raise LayerForwardError(
-            f"{where} ({cls}) raised {type(exc).__name__}: {exc}; its inputs: {_describe_inputs(args, kwargs)}",
+            f"{where} ({cls}) raised {type(exc).__name__}: {exc}; its inputs: {_describe_inputs(args, kwargs)}{notes}",
             layer=name,
             module_type=cls,
         ) from exc

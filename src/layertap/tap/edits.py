@@ -32,7 +32,11 @@ class Changes:
         """``edit``, recording how its result differs from the layer's value."""
 
         def checked(name: str, value: Any) -> Any:
-            new = edit(name, value)
+            try:
+                new = edit(name, value)
+            except Exception as e:  # raised inside the layer's hook: say it is the edit's, not the layer's
+                e.add_note(f"layertap: raised by the edit= function of {name!r}, not by the layer")
+                raise
             if new is not None and name not in self.seen:
                 change = _difference(value, new)
                 if change:
