@@ -141,6 +141,18 @@ def test_blosc_anywhere_but_last_after_bytes_is_refused_at_open(tmp_path):
     refused(out, r"its array 'features/0' uses the codecs \['bytes', 'blosc', 'crc32c'\]: Blosc only as the last codec, right after 'bytes', is read")
 
 
+def test_zstd_anywhere_but_last_is_refused_at_open(tmp_path):
+    # a codec decoded after Zstandard (crc32c here; a compressor could be one) is not bounded by its frame header
+    out = tmp_path / "s.zarr"
+    extract(out)
+
+    def chain(d):
+        d["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 3, "checksum": False}}, {"name": "crc32c"}]
+
+    edit(out / "features/0/zarr.json", chain)
+    refused(out, r"its array 'features/0' uses the codecs \['bytes', 'zstd', 'crc32c'\]: Zstandard only as the last codec is read")
+
+
 def test_a_chunk_of_an_array_no_one_checked_is_never_read(tmp_path):
     out = tmp_path / "s.zarr"
     extract(out)

@@ -67,6 +67,8 @@ def chunk_rule(where: Location, name: str, array: Any) -> ChunkRule:
     in which Blosc's frame is not the chunk's bytes of the whole chunk is refused."""
     codecs = [c.get("name") if isinstance(c, dict) else c for c in array.metadata.to_dict().get("codecs", [])]
     dtype = np.dtype(array.dtype)
+    if "zstd" in codecs[:-1]:  # a codec decoded after it could inflate what its frame header bounds
+        raise _bad(where, f"its array {name!r} uses the codecs {codecs}: Zstandard only as the last codec is read")
     if codecs and codecs[-1] == "zstd":
         text = dtype.kind in "OTVU"
         return ChunkRule(name, "zstd", TEXT_CHUNK_BYTES if text else int(np.prod(array.chunks, dtype=np.int64)) * dtype.itemsize)
