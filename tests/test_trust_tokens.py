@@ -228,3 +228,15 @@ def test_a_complete_store_whose_statistics_miss_tokens_or_layers_is_refused(made
         del meta["token_stats"]
     write_meta(out, "npy", meta)
     refused(out, "it is complete, but its token card's count or its statistics do not count its \\d+ tokens in every layer")
+
+
+@pytest.mark.parametrize("format", ["zarr", "npy"])
+def test_a_token_store_claiming_an_older_store_version_is_refused(made, tmp_path, format):
+    """Version 1 stores have no per-chunk proof of their pieces, so a deleted feature chunk of a
+    "complete" one read as fill values (NaN rows served for training). No token store was ever
+    version 1: a token store that says so is crafted."""
+    out = copy(made, tmp_path, format)
+    meta = read_meta(out, format)
+    meta["layertap_store"] = 1
+    write_meta(out, format, meta)
+    refused(out, "it says it is a layertap store of version 1, older than any token store")
