@@ -111,6 +111,39 @@ def test_gradients_under_a_checkpoint_whose_input_needs_none(layer, frozen):
     assert t.grads["block:relu"].shape == t.grad_inputs["block:relu"].shape == (4, 8)
 
 
+class InPlaceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.fc2 = nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc(x)))
+
+
+@pytest.mark.parametrize(("layer", "kind"), [("fc", "grad"), ("act", "grad_input")])
+def test_gradients_of_a_frozen_checkpointed_block_with_an_in_place_op_after_the_layer(layer, kind):
+    """What the tap makes need a gradient is an alias, not a bare leaf, in the recomputation too:
+    the in-place ReLU after it would otherwise fail ("a leaf Variable that requires grad is being
+    used in an in-place operation"). Reference: plain autograd on the block with a leaf there."""
+    torch.manual_seed(0)
+    block, x = InPlaceBlock().requires_grad_(False), torch.randn(3, 4)
+    with layertap.tap(block, layer, capture=kind) as t:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    h = block.fc(x)
+    leaf = (h if kind == "grad" else h.clone()).requires_grad_()
+    block.fc2(torch.relu(leaf)).sum().backward()
+    torch.testing.assert_close((t.grads if kind == "grad" else t.grad_inputs)[layer], leaf.grad)
+
+
+def test_keep_first_leaves_later_forwards_without_a_graph():
+    """Calls the keep policy does not keep get no gradient hooks, and nothing made to need a gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).requires_grad_(False)
+    with layertap.tap(model, "0", capture="grad", keep="first") as t:
+        model(torch.randn(2, 4)).sum().backward()
+        later = model(torch.randn(2, 4))
+    assert t.grads["0"].shape == (2, 4) and not later.requires_grad
+
+
 def test_an_op_inside_a_checkpointed_module_is_called_once_per_forward():
     # the reference: the relu's value and its gradient by plain autograd on the network without checkpointing
     plain, checkpointed = nets(reentrant=False)

@@ -390,7 +390,7 @@ def test_grad_input_of_a_layer_fed_token_ids_says_its_input_carries_none():
     with layertap.tap(net, "0", capture=("grad", "grad_input")) as t:
         net(ids).sum().backward()
     assert t.grads["0"].shape == (2, 3, 4)
-    with pytest.raises(layertap.TapError, match=r"layer '0' has no grad_input: its input holds no floating-point tensor \(int64\)"):
+    with pytest.raises(layertap.LayerNotRunError, match=r"layer '0' has no grad_input: its input holds no floating-point tensor \(int64\)"):
         t.grad_inputs["0"]
 
 

@@ -169,8 +169,9 @@ def test_a_layer_with_no_float_output_says_no_gradient_can_reach_it(keep):
     with layertap.tap(model, ["0", "ids"], capture="grad", keep=keep) as t:
         model(torch.randn(3, 4)).sum().backward()
     assert t.grads["0"] is not None
-    with pytest.raises(layertap.TapError, match=r"^layer 'ids' has no grad: its output holds no floating-point tensor \(int64\)"):
+    with pytest.raises(layertap.LayerNotRunError, match=r"^layer 'ids' has no grad: its output holds no floating-point tensor \(int64\)"):
         t.grads["ids"]
+    assert t.grads.get("ids") is None  # a LayerNotRunError is a KeyError: Mapping.get works
 
 
 class Sparse(nn.Module):

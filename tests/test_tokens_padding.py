@@ -97,3 +97,17 @@ def test_a_wrapper_takes_the_mask_its_model_takes(tokenizer):
     assert not takes_mask(model) and not takes_mask(nn.DataParallel(model))
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=100, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8))
     assert takes_mask(bert) and takes_mask(nn.DataParallel(bert))
+
+
+def test_a_bfloat16_model_stored_in_float32_is_not_taken_for_one_that_lets_padding_in(tokenizer, tmp_path):
+    """Its rows with and without padding differ by bfloat16 rounding (0.0005 to 0.016 here), not
+    by float32's: the check allows the coarser of the model's and the store's dtypes."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    model = transformers.BertModel(config).to(torch.bfloat16).eval()
+    store = layertap.extract_tokens(model, TEXTS, "encoder.layer.1", out=tmp_path / "s.zarr", tokenizer=tokenizer, batch_size=3,
+                                    dtype=torch.float32, progress=False)  # fmt: skip
+    rows, docs = store.read("encoder.layer.1"), store.docs[:]
+    assert rows.dtype == torch.float32
+    for d, text in enumerate(TEXTS):
+        torch.testing.assert_close(rows[torch.from_numpy(docs == d)], alone(model, tokenizer, "encoder.layer.1", text).float(), atol=0.05, rtol=0.02)

@@ -265,8 +265,8 @@ class TokenForward:
         alone = self._run({k: v[[unit, unit], :count] for k, v in model_inputs.items()}, tap(self.model, self.names, stop_early=True))
         for name, t in outputs.items():
             dim, other = self.token_dims[name], alone[name]
-            if t is not None and other is not None:  # as stored: in the store's dtype
-                _check_unpadded(name, self.model, t.movedim(dim, 1)[unit, :count], other.movedim(dim, 1)[0, :count].to(t.dtype))
+            if t is not None and other is not None:
+                _check_unpadded(name, self.model, t.movedim(dim, 1)[unit, :count], other.movedim(dim, 1)[0, :count])
 
     def __call__(self, inputs: TokenInputs, n: int) -> Leaves:
         model_inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.model_inputs.items() if self.masks or k == "input_ids"}
@@ -286,10 +286,11 @@ class TokenForward:
 
 
 def _check_unpadded(name: str, model: nn.Module, padded: torch.Tensor, alone: torch.Tensor) -> None:
-    """Refuse the model if a unit's real rows with padding after them (``padded``) are not those it
-    gives without (``alone``), both in the store's dtype, to its rounding (at least 1e-3 of their scale)."""
-    a, b = padded.float(), alone.float()
-    eps = torch.finfo(padded.dtype).eps if padded.is_floating_point() else 0.0
+    """Refuse the model if a unit's real rows with padding after them (``padded``, in the store's
+    dtype) are not those it gives without (``alone``, in the model's) to the coarser one's rounding
+    (at least 1e-3 of their scale: a bfloat16 model stored in float32 differs by its own rounding)."""
+    a, b = padded.float(), alone.to(padded.dtype).float()
+    eps = max((torch.finfo(t.dtype).eps for t in (padded, alone) if t.is_floating_point()), default=0.0)
     finite = b.isfinite()
     scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
     tolerance = max(1e-3, 8 * eps) * (scale + 1e-6)

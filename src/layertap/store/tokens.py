@@ -39,12 +39,12 @@ from ..errors import StoreError
 from ..printable import printable
 from ..tables import Table
 from ..units import human_bytes
-from .format import _STORE_VERSION
 from .paths import _bad
 from .reader import FeatureStore
 
 TOKEN_IDS, DOCS, POSITIONS = "@token_ids", "@docs", "@positions"
 EXTRA = (TOKEN_IDS, DOCS, POSITIONS)
+_FIRST_TOKEN_STORE = 2  # the store version token stores began at
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -169,7 +169,7 @@ class TokenStore:
         card = meta.get("tokens")
         if not isinstance(card, dict):
             raise StoreError(f"{where} is a feature store, not a token store: open it with layertap.open_features")
-        if meta["layertap_store"] < _STORE_VERSION:  # token stores began at 2: an older one is crafted, and its checks weaker
+        if meta["layertap_store"] < _FIRST_TOKEN_STORE:  # an older one is crafted, and its checks are weaker
             raise _bad(where, f"it says it is a layertap store of version {meta['layertap_store']}, older than any token store")
         if not all(k in self.features for k in EXTRA):
             raise _bad(where, f"it lacks one of the token arrays {list(EXTRA)}")

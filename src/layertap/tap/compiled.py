@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import nn
 from ..errors import TapError
 from ..select import wrapped_child
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])  # layertap's own files, as tracebacks name them
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # layertap's own files, as tracebacks name them
 
 
 @contextlib.contextmanager

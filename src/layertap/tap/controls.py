@@ -2,7 +2,8 @@
 
 ``detach`` drops the autograd graph, ``reduce`` pools (on the layer's own device, so less is
 moved), ``dtype`` (a floating-point dtype) casts floating-point tensors, and complex ones to the
-complex dtype of its precision (never dropping the imaginary part), ``to`` moves. Integer and
+complex dtype of its precision (never dropping the imaginary part; bfloat16 has none: they stay
+as they are), ``to`` moves. Integer and
 boolean leaves are only detached and moved. A ``[B, T, C]`` token tensor of a model called with a ``[B, T]``
 ``attention_mask`` is pooled over its real tokens only (`layertap.tap.masks`), so that a
 document's feature does not depend on its batch-mates' padding.

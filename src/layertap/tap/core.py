@@ -225,7 +225,7 @@ class Tap(Results):
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             if recomputing():  # a checkpoint's recomputation: nothing taken, nothing counted (recompute.py)
-                return required((args, kwargs)) if self._want_grad_input else None  # but what the first pass grew
+                return required((args, kwargs)) if self._grows("grad_input", name) else None  # but what the first pass grew
             if name not in self._order:
                 self._order[name] = None
             # a call is numbered as it starts, for all kinds: one that calls its own module ends after the inner call
@@ -257,7 +257,7 @@ class Tap(Results):
         edit = self._edits.get(name)
         counts = tapped and not self._only_inputs
         grads, sharded = tapped and self._want_grads, self._sharded
-        grown = counts and "grad" in self._kept.stores  # its outputs need a gradient, in a recomputation too
+        grown = counts and "grad" in self._kept.stores  # its outputs needed a gradient: in a recomputation too (`_grows`)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             again = recomputing()  # a checkpoint's recomputation: only the edit runs again (recompute.py)
@@ -270,7 +270,7 @@ class Tap(Results):
             new = edit(name, output) if edit is not None else None
             if new is not None:
                 output = new
-            if again and grown:
+            if again and grown and self._grows("grad", name):
                 output = new = required(output)
             if counts and not again:
                 taken = self._take_output(name, module, output, self._replica(module, name, output), call)
@@ -358,14 +358,22 @@ class Tap(Results):
     def _again(self, hits: list[str], star: bool, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op's call in a checkpoint's recomputation: run (or replaced) and edited again, with
         what needs a gradient in the first pass (`required`) needing one again."""
-        tapped = star or any(name in self._tapped for name in hits)
-        if tapped and self._want_grad_input:
+        tapped = next((name for name in hits if name in self._tapped), None)  # None for an op only "module:*" names
+        if (star or tapped) and self._grows("grad_input", tapped):
             args, kwargs = required((args, kwargs))
         out = ran(self._runs, hits, func, args, kwargs)
         if not returns_tensor(out):
             return out
         out = applied(self._edits, hits, out)
-        return required(out) if tapped and "grad" in self._kept.stores and not self._only_inputs else out
+        return required(out) if (star or tapped) and not self._only_inputs and self._grows("grad", tapped) else out
+
+    def _grows(self, kind: str, name: str | None) -> bool:
+        """Whether the first pass of a call being recomputed made its ``kind`` edge need a gradient:
+        as `Grads.watch` does for a call the keep policy wants (``keep="first"``: none kept yet)."""
+        if kind not in self._kept.stores:
+            return False
+        kept = self._kept.stores[kind].entries.get(name) if name is not None else None
+        return self._observe is not None or self.keep != "first" or not kept
 
     def _op_inputs(self, tapped: list[str], module: nn.Module, single: bool, args: tuple, kwargs: dict, call: Call) -> tuple[tuple, dict]:
         """Capture the inputs of an op's call; returns its arguments, with gradient hooks for ``grad_input``."""
@@ -494,7 +502,7 @@ def tap(
         to: a device to move each captured tensor to, after ``reduce`` and ``dtype``.
         dtype: a floating-point dtype (or its name, ``"float16"``) to cast captured
             floating-point tensors to, after ``reduce`` (complex ones: to the complex dtype of
-            that precision).
+            that precision; bfloat16 has none, so they stay as they are).
         reduce: ``"mean"``, ``"max"``, ``"flatten"``, ``"cls"`` (token 0), ``"last"`` (the last
             token) or a callable, applied on the layer's own device before the tensor is stored.
             When the model is called with a ``[B, T]`` ``attention_mask``, a ``[B, T, C]`` tensor

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .. import nested
-from ..errors import TapError
+from ..errors import LayerNotRunError, TapError
 from .controls import shares_memory
 
 
@@ -107,7 +107,8 @@ class Call:
 
 
 def _grown(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_() if (t.is_floating_point() or t.is_complex()) and not t.requires_grad else t
+    # through an alias, as `_hookable`: an in-place op after the layer must not meet a bare leaf
+    return _Alias.apply(t.detach().requires_grad_()) if (t.is_floating_point() or t.is_complex()) and not t.requires_grad else t
 
 
 def required(value: Any) -> Any:
@@ -196,7 +197,7 @@ class Grads:
         dtypes = self._floatless.get((kind, name))
         if dtypes is not None:
             edge = "output" if kind == "grad" else "input"
-            raise TapError(
+            raise LayerNotRunError(
                 f"layer {name!r} has no {kind}: its {edge} holds no floating-point tensor ({', '.join(dtypes) or 'none'}), "
                 f"so no gradient flows through it; tap a layer whose {edge} is floating-point"
             )
@@ -261,8 +262,8 @@ class Grads:
         else:
             self._floatless[(kind, name)] = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
         observe = self._observe
-        if observe is None and not wanted:  # no hooks, but what needs a gradient as for a call kept (`required`)
-            return required(value), None
+        if observe is None and not wanted:
+            return value, None
         counter = itertools.count()
         skeleton = nested.map_leaves(lambda t: _Slot(next(counter)), value)
         grads = Gradients(skeleton, next(counter))
