@@ -63,8 +63,9 @@ def alone(model: nn.Module, tokenizer, layer: str, text: str) -> torch.Tensor:
 def test_a_model_that_lets_padding_in_is_refused_and_runs_exactly_one_document_a_batch(tokenizer, tmp_path, build, refusal):
     model = build(tokenizer)
     with pytest.raises(ArgumentError, match=refusal):
-        layertap.extract_tokens(model, TEXTS, "encoder.layer.1", out=tmp_path / "a.zarr", tokenizer=tokenizer, batch_size=2, progress=False)
-    store = layertap.extract_tokens(model, TEXTS, "encoder.layer.1", out=tmp_path / "b.zarr", tokenizer=tokenizer, batch_size=1, progress=False)
+        layertap.extract_tokens(model, TEXTS, "encoder.layer.1", out=tmp_path / "s.zarr", tokenizer=tokenizer, batch_size=2, progress=False)
+    assert not (tmp_path / "s.zarr").exists()  # nothing left to mix with: the fix runs into the same path
+    store = layertap.extract_tokens(model, TEXTS, "encoder.layer.1", out=tmp_path / "s.zarr", tokenizer=tokenizer, batch_size=1, progress=False)
     rows, docs = store.read("encoder.layer.1"), store.docs[:]
     for d, text in enumerate(TEXTS):
         torch.testing.assert_close(rows[torch.from_numpy(docs == d)], alone(model, tokenizer, "encoder.layer.1", text), atol=1e-5, rtol=1e-5)
