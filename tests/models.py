@@ -4,6 +4,19 @@ import torch
 from torch import nn
 
 
+class MLP(nn.Module):
+    """784 -> 256 -> ReLU -> 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 256)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
 class Reordered(nn.Module):
     """Defined in one order, run in another; ``act`` runs twice, ``unused`` never."""
 

@@ -6,22 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from models import MLP
 from torch import nn
 
 import layertap
 from conftest import hook_state
 from layertap import Inputs, LayerNotFoundError, LayerNotRunError, TapError
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(784, 256)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(256, 10)
-
-    def forward(self, x):
-        return self.fc2(self.relu(self.fc1(x)))
 
 
 class Twice(nn.Module):

@@ -5,20 +5,10 @@ the messages name is checked to work."""
 
 import pytest
 import torch
+from models import MLP
 from torch import nn
 
 import layertap
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(784, 256)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(256, 10)
-
-    def forward(self, x):
-        return self.fc2(self.relu(self.fc1(x)))
 
 
 @pytest.fixture(autouse=True)

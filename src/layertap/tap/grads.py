@@ -256,11 +256,6 @@ class Grads:
                 "with autograd, and checkpoint with use_reentrant=False (Hugging Face's default; older versions took "
                 "gradient_checkpointing_kwargs={'use_reentrant': False})"
             )
-        tensors = nested.tensors(value)
-        if any(t.is_floating_point() or t.is_complex() for t in tensors):
-            self._floatless.pop((kind, name), None)
-        else:
-            self._floatless[(kind, name)] = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
         observe = self._observe
         if observe is None and not wanted:
             return value, None
@@ -273,11 +268,15 @@ class Grads:
             store(kind, name, index, grads, part)
         transform = self._transform
         slot = itertools.count()
+        others: set[str] = set()  # the dtypes of the tensors no gradient reaches
+        hooked = [0]  # the tensors one does
 
         def watch(t: torch.Tensor) -> torch.Tensor:
             i = next(slot)
             if not (t.is_floating_point() or t.is_complex()):
+                others.add(str(t.dtype).removeprefix("torch."))
                 return t
+            hooked[0] += 1
             t = _hookable(t, kind, call)
 
             def on_grad(g: torch.Tensor) -> None:
@@ -295,4 +294,9 @@ class Grads:
             t.register_hook(on_grad)
             return t
 
-        return nested.map_leaves(watch, value), (grads if observe is None else None)
+        watched = nested.map_leaves(watch, value)
+        if hooked[0]:
+            self._floatless.pop((kind, name), None)
+        else:
+            self._floatless[(kind, name)] = sorted(others)
+        return watched, (grads if observe is None else None)
